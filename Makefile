@@ -1,0 +1,46 @@
+# minivllm: set-up and the two main commands.
+#   make test   create .venv, install everything, run the whole suite with both backends
+#   make demo   answer a chat prompt with the default model (SmolLM2-135M-Instruct)
+#
+# TORCH is the torch requirement. The default is the CPU build this project is
+# developed against; on a machine where pip would pick a CUDA build you do not
+# want, point pip at CPU wheels (see the README).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-ref test-fast demo lint model gpu-check
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(VENV)/bin/minivllm download smollm2
+
+test: setup model
+	$(PY) -m pytest -q --backend=ref $(PYTEST_ARGS)
+	$(PY) -m pytest -q --backend=fast $(PYTEST_ARGS)
+
+test-ref: setup
+	$(PY) -m pytest -q --backend=ref $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q --backend=fast $(PYTEST_ARGS)
+
+demo: setup model
+	$(VENV)/bin/minivllm generate --chat "What is the capital of France? Answer in one sentence."
+
+lint: setup
+	$(VENV)/bin/ruff check minivllm tests tutorials benchmarks
+
+gpu-check:
+	bash benchmarks/gpu_check.sh

@@ -1,0 +1,203 @@
+"""The kernel swap layer: choose an implementation for each component.
+
+Every component of minivllm exists twice, as a readable reference in
+``minivllm/ref/<component>.py`` and as an optimised twin in
+``minivllm/fast/<component>.py``. Both modules expose the same public names
+with the same signatures (``tests/test_backend.py`` checks it), so the rest of
+the engine never knows which one it is talking to::
+
+    from minivllm import backend
+    attn = backend.get("attention")          # a module: ref or fast
+    attn.paged_attention(q, k_cache, v_cache, metadata, scale)
+
+A *backend spec* says which implementation to use:
+
+- ``"ref"`` / ``"fast"``: every component from that package.
+- ``"auto"``: fast where it runs natively, ref otherwise. Host-side components
+  (allocator, block tables, scheduler) are plain Python/torch and always run
+  fast; kernel components need Triton on a CUDA device.
+- an import path such as ``"mypkg.my_kernels"``: a package or module that
+  provides *some* components, as submodules or attributes named after them
+  (``mypkg.my_kernels.attention``). Those override the default; the others
+  come from ``ref``. This is how course assignments plug students' code in.
+- a dict mapping component names to any of the above, e.g.
+  ``{"attention": "fast", "scheduler": "ref"}``; unnamed components use the
+  global default.
+
+The global default is ``"ref"``, or the ``MINIVLLM_BACKEND`` environment
+variable. Change it with :func:`set_backend`, or temporarily with
+:func:`use_backend` as a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import types
+import warnings
+from collections.abc import Iterator, Mapping
+
+#: Every component of the engine, in data-flow order. ``kind`` says whether a
+#: component is host-side Python (runs anywhere) or a device kernel (its fast
+#: twin is a Triton kernel that needs CUDA, or Triton's interpreter on a CPU).
+COMPONENTS: dict[str, str] = {
+    "block_allocator": "host",
+    "block_table": "host",
+    "scheduler": "host",
+    "linear": "host",
+    "cache_write": "kernel",
+    "attention": "kernel",
+    "layernorm": "kernel",
+    "rotary": "kernel",
+    "activation": "kernel",
+    "sampler": "kernel",
+}
+
+BUILTIN = ("ref", "fast", "auto")
+
+BackendSpec = str | Mapping[str, str]
+
+_global_spec: BackendSpec = os.environ.get("MINIVLLM_BACKEND", "ref")
+_cache: dict[tuple[str, str], types.ModuleType] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def _check_component(name: str) -> None:
+    if name not in COMPONENTS:
+        raise ValueError(
+            f"unknown component {name!r}; the components are {sorted(COMPONENTS)}"
+        )
+
+
+def validate_spec(spec: BackendSpec) -> BackendSpec:
+    """Raise ``ValueError`` if ``spec`` is not a valid backend spec; return it."""
+    if isinstance(spec, Mapping):
+        for name, sub in spec.items():
+            _check_component(name)
+            if not isinstance(sub, str) or isinstance(sub, Mapping):
+                raise ValueError(f"backend for {name!r} must be a string, got {sub!r}")
+        return dict(spec)
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"backend must be 'ref', 'fast', 'auto', an import path or a dict, got {spec!r}"
+        )
+    return spec
+
+
+def set_backend(spec: BackendSpec) -> None:
+    """Set the global backend spec (see the module docstring for the forms)."""
+    global _global_spec
+    _global_spec = validate_spec(spec)
+
+
+def get_backend() -> BackendSpec:
+    """The global backend spec now in force."""
+    return _global_spec
+
+
+@contextlib.contextmanager
+def use_backend(spec: BackendSpec) -> Iterator[None]:
+    """Context manager: use ``spec`` inside the ``with`` block, then restore."""
+    global _global_spec
+    old = _global_spec
+    set_backend(spec)
+    try:
+        yield
+    finally:
+        _global_spec = old
+
+
+def triton_available() -> bool:
+    """True if Triton imports (it has no wheels off Linux)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    """True if Triton kernels will run in Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fast_kernels_native() -> bool:
+    """True if Triton kernels can run compiled here (Triton plus a CUDA device)."""
+    import torch
+
+    return triton_available() and torch.cuda.is_available()
+
+
+def _import_component(package: str, name: str) -> types.ModuleType | None:
+    """``package.name`` as a submodule or attribute, or None if it has none."""
+    key = (package, name)
+    if key in _cache:
+        return _cache[key]
+    try:
+        pkg = importlib.import_module(package)
+    except ImportError as e:
+        raise ValueError(f"backend {package!r} could not be imported: {e}") from e
+    mod = getattr(pkg, name, None)
+    if mod is None and hasattr(pkg, "__path__"):
+        try:
+            mod = importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{package}.{name}":
+                raise  # the submodule exists but one of its imports is missing
+            mod = None
+    if mod is not None:
+        _cache[key] = mod
+    return mod
+
+
+def _fallback(name: str, wanted: str, why: str) -> types.ModuleType:
+    if (name, wanted) not in _warned:
+        _warned.add((name, wanted))
+        warnings.warn(f"minivllm: {name}: {why}; using the ref implementation", stacklevel=3)
+    return _import_component("minivllm.ref", name)
+
+
+def resolve(name: str, spec: BackendSpec | None = None) -> str:
+    """The implementation (``'ref'``, ``'fast'`` or an import path) for ``name``."""
+    _check_component(name)
+    spec = _global_spec if spec is None else validate_spec(spec)
+    if isinstance(spec, Mapping):
+        spec = spec.get(name, _global_spec if not isinstance(_global_spec, Mapping) else "ref")
+        if isinstance(spec, Mapping):
+            spec = "ref"
+    if spec == "auto":
+        if COMPONENTS[name] == "host" or fast_kernels_native():
+            return "fast"
+        return "ref"
+    return spec
+
+
+def get(name: str, spec: BackendSpec | None = None) -> types.ModuleType:
+    """The module implementing component ``name`` under ``spec`` (default: global).
+
+    ``fast`` kernels need Triton. Without a CUDA device they run only in
+    Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
+    imported, as ``pytest --backend=fast`` does); otherwise the ref twin is used
+    and a warning says so.
+    """
+    impl = resolve(name, spec)
+    if impl == "ref":
+        return _import_component("minivllm.ref", name)
+    if impl == "fast":
+        if COMPONENTS[name] == "kernel":
+            if not triton_available():
+                return _fallback(name, impl, "Triton is not installed")
+            if not (fast_kernels_native() or triton_interpreted()):
+                return _fallback(
+                    name, impl, "no CUDA device and TRITON_INTERPRET=1 is not set"
+                )
+        mod = _import_component("minivllm.fast", name)
+        return mod if mod is not None else _fallback(name, impl, "no fast twin yet")
+    mod = _import_component(impl, name)
+    return mod if mod is not None else _import_component("minivllm.ref", name)
+
+
+def describe(spec: BackendSpec | None = None) -> dict[str, str]:
+    """Which module serves each component, e.g. for logging at start-up."""
+    return {name: get(name, spec).__name__ for name in COMPONENTS}

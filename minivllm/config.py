@@ -1,0 +1,71 @@
+"""Configuration dataclasses, each checked when it is made.
+
+A bad value raises ``ValueError`` naming the field, the value and the allowed
+range, before any work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: how many blocks, of how many tokens each.
+
+    Args:
+        block_size: tokens per KV block (vLLM's default is 16).
+        num_blocks: blocks in the pool. The engine fills it in from the memory
+            budget; host-side tests set it directly.
+        enable_prefix_caching: reuse full blocks whose token prefix matches
+            (automatic prefix caching, keyed by chained block hashes).
+    """
+
+    block_size: int = 16
+    num_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.block_size <= 256, "block_size", self.block_size, "in [1, 256]")
+        _require(self.num_blocks >= 0, "num_blocks", self.num_blocks, ">= 0")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous-batching limits for one engine step.
+
+    Args:
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks plus
+            decodes).
+        max_model_len: longest sequence (prompt + output) allowed.
+        enable_chunked_prefill: split prompts longer than the remaining budget
+            across steps; off means a prompt is scheduled whole or not at all.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+        _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        if not self.enable_chunked_prefill:
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f">= max_model_len={self.max_model_len} when chunked prefill is off",
+            )

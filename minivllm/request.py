@@ -1,0 +1,138 @@
+"""``Request``: the state one prompt carries through the engine.
+
+Both scheduler twins (``minivllm/ref/scheduler.py`` and
+``minivllm/fast/scheduler.py``) read and update these objects; the model runner
+reads them to build each step's batch. Names follow vLLM v1
+(``vllm/v1/request.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Every value from ``FINISHED_STOPPED`` on is final."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()  # aborted by the user or by an error
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """vLLM's ``finish_reason`` string for a final status, else None."""
+        return _FINISH_REASON.get(status)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: unique id (a string, as in vLLM).
+        prompt_token_ids: the prompt, as token ids.
+        sampling_params: how to sample and when to stop.
+        eos_token_id: the model's end-of-sequence id (None if it has none).
+        output_token_ids: tokens generated so far.
+        num_computed_tokens: how many of ``all_token_ids`` already have their
+            K/V in the paged cache (prefix-cache hits count as computed).
+        num_cached_tokens: prompt tokens served from the prefix cache the
+            first time the request was scheduled (-1 until then).
+        status: a :class:`RequestStatus`.
+        stop_reason: the stop string or token id that ended it, if any.
+        num_preemptions: how often it was preempted and recomputed.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # max_tokens=None means "until max_model_len"; the scheduler fills it in.
+        self.max_tokens = sampling_params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.name})"
+        )
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set ``request.status`` to a final value if its last token ends it.
+
+    Called by the scheduler right after a sampled token is appended. Stop
+    *strings* need the detokenized text, so the engine checks those itself.
+    Returns True if the request is now finished.
+    """
+    params = request.sampling_params
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last = request.output_token_ids[-1]
+    if not params.ignore_eos and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    return False

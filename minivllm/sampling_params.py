@@ -1,0 +1,126 @@
+"""``SamplingParams``: how to pick each next token, and when to stop.
+
+Field names, defaults and allowed ranges follow vLLM's ``SamplingParams``, so
+code written against one runs against the other. Every value is checked when
+the object is made; a bad one raises ``ValueError`` naming the field, the
+value and the range allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters for one request.
+
+    Args:
+        n: number of completions (only ``n=1`` is supported by this engine).
+        temperature: softmax temperature; ``0`` means greedy (argmax).
+        top_p: keep the smallest set of tokens whose probability reaches
+            ``top_p``; in ``(0, 1]``.
+        top_k: keep the ``top_k`` most likely tokens; ``0`` or ``-1`` keeps all.
+        min_p: drop tokens whose probability is below ``min_p`` times the most
+            likely token's; in ``[0, 1]``.
+        seed: per-request random seed; the same seed gives the same tokens
+            whatever else is in the batch.
+        presence_penalty: subtracted from the logit of every token already
+            generated; in ``[-2, 2]``.
+        frequency_penalty: subtracted once per previous occurrence in the
+            output; in ``[-2, 2]``.
+        repetition_penalty: divides positive (multiplies negative) logits of
+            tokens seen in the prompt or output; ``> 0``, 1 means off.
+        max_tokens: most tokens to generate; ``>= 1``. ``None`` means up to
+            the model's context length.
+        min_tokens: EOS and stop ids are suppressed until this many tokens.
+        stop: strings that end generation; not included in the output text.
+        stop_token_ids: token ids that end generation (included in token_ids).
+        ignore_eos: keep generating after the EOS token.
+        logprobs: number of top log-probabilities to return for each sampled
+            token (the sampled token's own is always included); ``None`` = off.
+        skip_special_tokens: drop special tokens from the output text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self._stop = []
+        elif isinstance(self.stop, str):
+            self._stop = [self.stop]
+        else:
+            self._stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (possibly empty)."""
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature`` is 0: the argmax token is taken."""
+        return self.temperature < _SAMPLING_EPS
+
+    def _verify(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if self.n != 1:
+            raise bad("n", "1 (parallel sampling is not supported)")
+        if not 0.0 <= self.temperature:
+            raise bad("temperature", "non-negative (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "0 or -1 (disabled), or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an int or None")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "greater than 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "at least 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "in [0, 20] or None")
+        if any(not isinstance(s, str) or not s for s in self._stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative ints")

@@ -1,0 +1,1 @@
+"""Test support: the pytest plugin (``--backend``) and shared hypothesis strategies."""

@@ -1,0 +1,40 @@
+"""Hypothesis strategies and settings profiles shared by every test module.
+
+Profiles: ``dev`` (default, 50 examples), ``ci`` (``CI`` env set: fewer
+examples, no deadline, derandomised so CI is reproducible) and ``cuda``
+(bigger grids on a GPU). Select with ``HYPOTHESIS_PROFILE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=50, **_common)
+settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+settings.register_profile("cuda", max_examples=200, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+#: Awkward sizes the kernel tests draw from.
+HEAD_DIMS = [64, 80, 96, 128]
+SMALL_HEAD_DIMS = [8, 16, 24, 40]  # for the interpreter: small and not all powers of 2
+GQA_RATIOS = [1, 2, 4, 8]
+BLOCK_SIZES = [1, 8, 16, 32]
+
+
+def block_sizes() -> st.SearchStrategy[int]:
+    return st.sampled_from(BLOCK_SIZES)
+
+
+def gqa_heads(max_kv_heads: int = 4) -> st.SearchStrategy[tuple[int, int]]:
+    """(num_heads, num_kv_heads) with num_heads a multiple of num_kv_heads."""
+    return st.tuples(st.integers(1, max_kv_heads), st.sampled_from(GQA_RATIOS)).map(
+        lambda t: (t[0] * t[1], t[0])
+    )
+
+
+def token_ids(vocab_size: int, min_size: int = 1, max_size: int = 64) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(0, vocab_size - 1), min_size=min_size, max_size=max_size)
