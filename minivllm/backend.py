@@ -24,7 +24,7 @@ A *backend spec* says which implementation to use:
   ``{"attention": "fast", "scheduler": "ref"}``; unnamed components use the
   global default.
 
-The global default is ``"ref"``, or the ``MINIVLLM_BACKEND`` environment
+The global default is ``"auto"``, or the ``MINIVLLM_BACKEND`` environment
 variable. Change it with :func:`set_backend`, or temporarily with
 :func:`use_backend` as a context manager.
 """
@@ -58,7 +58,7 @@ BUILTIN = ("ref", "fast", "auto")
 
 BackendSpec = str | Mapping[str, str]
 
-_global_spec: BackendSpec = os.environ.get("MINIVLLM_BACKEND", "ref")
+_global_spec: BackendSpec = os.environ.get("MINIVLLM_BACKEND", "auto")
 _cache: dict[tuple[str, str], types.ModuleType] = {}
 _warned: set[tuple[str, str]] = set()
 

@@ -88,3 +88,24 @@ class AttentionMetadata:
     def context_lens(self) -> torch.Tensor:
         """Tokens of each sequence already cached before this step."""
         return self.seq_lens - self.query_lens
+
+
+@dataclass
+class ModelInput:
+    """Everything one forward pass needs, built by the model runner from a
+    :class:`SchedulerOutput`. On tensor-parallel runs rank 0 builds it and
+    broadcasts it to the other ranks.
+
+    Attributes:
+        input_ids: ``(num_tokens,)`` int64, the flattened batch.
+        positions: ``(num_tokens,)`` int64, each token's position in its sequence.
+        attn_metadata: where each token reads and writes the paged KV cache.
+        logits_indices: ``(num_sampled,)`` int64 rows of the hidden states
+            whose next-token logits are needed (the last scheduled token of
+            every request that samples this step).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor

@@ -1,0 +1,227 @@
+"""Offline throughput benchmark: ``minivllm bench throughput [--compare hf]``.
+
+The fixed workload (seed 0): 64 requests whose prompts are random token ids
+with lengths uniform in 16..256, and output lengths uniform in 16..128 with
+``ignore_eos``, all submitted at once to ``LLM.generate``.
+
+It reports output tokens/s and total (prompt + output) tokens/s, and puts the
+latter against a compute roofline: the machine's measured fp32 (or the run's
+dtype) GEMM rate divided by ``2 * num_parameters`` FLOPs per token. With
+``--compare hf`` the same requests also run through transformers'
+``generate`` (static batches of 8, left padding, greedy) and the ratio is
+printed. Results go to JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_workload(num_requests: int, input_range: tuple[int, int],
+                  output_range: tuple[int, int], vocab_size: int, seed: int = 0):
+    """Random prompts and output lengths, reproducible from ``seed``."""
+    rng = random.Random(seed)
+    prompts, out_lens = [], []
+    for _ in range(num_requests):
+        n = rng.randint(*input_range)
+        # Skip the lowest ids: they are special tokens in most vocabularies.
+        prompts.append([rng.randint(100, vocab_size - 1) for _ in range(n)])
+        out_lens.append(rng.randint(*output_range))
+    return prompts, out_lens
+
+
+def measure_gemm_flops(dtype: torch.dtype, device: torch.device, n: int = 1024,
+                       seconds: float = 2.0) -> float:
+    """FLOP/s of a square matmul, the compute roofline of this machine."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def run_minivllm(args, prompts, out_lens) -> dict:
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in out_lens]
+    # Warm up (kernel compilation, CUDA graphs, allocator) on a tiny request.
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.scheduler.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                        use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    if n_out != sum(out_lens):
+        raise RuntimeError(f"expected {sum(out_lens)} output tokens, got {n_out}")
+    from minivllm import backend
+
+    engine = llm.llm_engine
+    info = dict(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
+                backends=backend.describe(engine.backend_spec))
+    llm.shutdown()
+    return dict(elapsed_s=elapsed, output_tokens=n_out, **info)
+
+
+def count_parameters(model_dir: Path) -> int:
+    """Parameters in the checkpoint, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                if "rotary_emb" not in name:
+                    total += _prod(st.get_slice(name).get_shape())
+    return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run_hf(model_dir: Path, prompts, out_lens, dtype: torch.dtype, device: torch.device,
+           batch_size: int = 8, quiet: bool = False) -> dict:
+    """transformers ``generate`` on the same requests: static batches, left padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    pad = model.config.eos_token_id or 0
+    if isinstance(pad, list):
+        pad = pad[0]
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch, lens = prompts[b : b + batch_size], out_lens[b : b + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            device=device)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                           max_new_tokens=max(lens), min_new_tokens=max(lens),
+                           pad_token_id=pad)
+        if not quiet:
+            print(f"  hf batch {b // batch_size + 1}/{-(-len(prompts) // batch_size)} "
+                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+    # Count only the tokens each request asked for: the rest of a static batch is waste.
+    return dict(elapsed_s=time.perf_counter() - start, output_tokens=sum(out_lens))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["minivllm"] + (["transformers"] if "hf" in result else [])
+    out = [result["minivllm"]["output_tok_s"]] + (
+        [result["hf"]["output_tok_s"]] if "hf" in result else [])
+    total = [result["minivllm"]["total_tok_s"]] + (
+        [result["hf"]["total_tok_s"]] if "hf" in result else [])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], out, 0.4, label="output tokens/s")
+    ax.bar([i + 0.2 for i in x], total, 0.4, label="total tokens/s")
+    ax.axhline(result["roofline_tok_s"], color="k", ls="--", label="compute roofline (total)")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{result['model']} {result['dtype']} on {result['machine']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="minivllm bench throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--backend", default=None, help="ref, fast, auto or an import path")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compare", choices=["hf"], default=None,
+                   help="also run transformers' generate on the same requests")
+    p.add_argument("--out", default="results/bench_throughput.json")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+
+    from minivllm.engine.llm_engine import resolve_device, resolve_dtype
+    from minivllm.model.loader import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    prompts, out_lens = make_workload(args.num_requests, tuple(args.input_len),
+                                      tuple(args.output_len), vocab, args.seed)
+    n_in = sum(map(len, prompts))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+
+    mv = run_minivllm(args, prompts, out_lens)
+    gemm = measure_gemm_flops(dtype, device)
+    mv["num_params"] = count_parameters(model_dir)
+    roofline = gemm / (2 * mv["num_params"])
+    result = dict(
+        model=args.model, dtype=mv["dtype"], machine=f"{device.type} x{os.cpu_count()} cpus"
+        if device.type == "cpu" else torch.cuda.get_device_name(device),
+        backend=args.backend, backends=mv["backends"], num_requests=args.num_requests,
+        prompt_tokens=n_in, output_tokens=mv["output_tokens"], num_params=mv["num_params"],
+        gemm_flops=gemm, roofline_tok_s=roofline,
+        minivllm=dict(elapsed_s=mv["elapsed_s"], output_tok_s=mv["output_tokens"] / mv["elapsed_s"],
+                      total_tok_s=(n_in + mv["output_tokens"]) / mv["elapsed_s"]),
+    )
+    result["roofline_fraction"] = result["minivllm"]["total_tok_s"] / roofline
+    if args.compare == "hf":
+        hf = run_hf(model_dir, prompts, out_lens, dtype, device, quiet=args.quiet)
+        result["hf"] = dict(elapsed_s=hf["elapsed_s"],
+                            output_tok_s=hf["output_tokens"] / hf["elapsed_s"],
+                            total_tok_s=(n_in + hf["output_tokens"]) / hf["elapsed_s"])
+        result["speedup_vs_hf"] = result["minivllm"]["output_tok_s"] / result["hf"]["output_tok_s"]
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+
+    m = result["minivllm"]
+    print(f"\nminivllm bench throughput: {args.num_requests} requests, {n_in} prompt + "
+          f"{mv['output_tokens']} output tokens, {result['dtype']} on {result['machine']}")
+    print(f"{'engine':<14}{'seconds':>9}{'output tok/s':>14}{'total tok/s':>13}")
+    print(f"{'minivllm':<14}{m['elapsed_s']:>9.1f}{m['output_tok_s']:>14.1f}{m['total_tok_s']:>13.1f}")
+    if "hf" in result:
+        h = result["hf"]
+        print(f"{'transformers':<14}{h['elapsed_s']:>9.1f}{h['output_tok_s']:>14.1f}"
+              f"{h['total_tok_s']:>13.1f}")
+        print(f"speed-up vs transformers (output tokens/s): {result['speedup_vs_hf']:.2f}x")
+    print(f"GEMM rate {gemm / 1e9:.1f} GFLOP/s -> roofline {roofline:.1f} total tok/s; "
+          f"minivllm reaches {100 * result['roofline_fraction']:.1f}% of it")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0

