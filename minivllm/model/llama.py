@@ -1,0 +1,388 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3.
+
+One model, read top to bottom like nanoGPT: small modules with shape comments.
+It differs from transformers' ``LlamaForCausalLM`` in three ways, all taken
+from vLLM:
+
+1. **A batch is one flat stream of tokens.** ``input_ids`` is ``(T,)``: the
+   new tokens of many requests (prefill chunks and decodes) concatenated, with
+   no padding. ``positions`` says where each token sits in its own sequence,
+   and :class:`~minivllm.metadata.AttentionMetadata` says which tokens belong
+   to which sequence and where their keys/values live in the paged KV cache.
+   Everything except attention is per-token, so only attention looks at it.
+2. **Fused projections.** q/k/v is one matmul (``qkv_proj``), gate/up another
+   (``gate_up_proj``); :meth:`LlamaForCausalLM.load_weights` fuses the
+   checkpoint's separate tensors into them through each parameter's
+   ``weight_loader``.
+3. **Residual passing.** Each norm is ``fused_add_rms_norm``: it adds the
+   previous sub-layer's output to the residual stream and normalises in one
+   kernel, instead of ``x = x + f(norm(x))`` in two.
+
+Variants are switched by the HF config:
+
+- GQA: ``num_key_value_heads < num_attention_heads``.
+- Qwen2: bias on q/k/v (not on o_proj).
+- Qwen3: ``head_dim`` from the config (may differ from hidden / heads) and an
+  RMSNorm over each query and key head before RoPE (``q_norm``/``k_norm``).
+- ``tie_word_embeddings``: the LM head reuses the embedding matrix.
+- Mistral: the same as Llama here. Its ``sliding_window`` is ignored: every
+  token attends to its whole context, which equals sliding-window attention as
+  long as sequences are no longer than the window (4096 for Mistral 7B v0.1;
+  later Mistral versions set ``sliding_window`` to null).
+
+The kernels come from the swap layer (:mod:`minivllm.backend`), resolved once
+when the model is built, so ``ref`` and ``fast`` run the same model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from minivllm import backend
+from minivllm.metadata import AttentionMetadata
+from minivllm.model.rope import get_rope, rope_params_from_config
+
+#: Set by the profiler: wrap each decoder layer in a named profiler range
+#: ``layer.{i}``. Off by default: ``record_function`` costs a few microseconds
+#: per layer even with no profiler running (see docs/models.md).
+PROFILE_LAYERS = False
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks, bs, H_kv, D)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale; the arithmetic is the backend's ``layernorm``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.ops = backend.get("layernorm")
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``, or ``(norm(x + residual), x + residual)`` if a residual is given."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the ``cos_sin_cache`` and applies RoPE with the backend's ``rotary``."""
+
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        theta, scaling, partial = rope_params_from_config(config)
+        self.rotary_dim = int(head_dim * partial)
+        self.is_neox_style = True  # HF-format Llama/Qwen checkpoints "rotate half"
+        cache = get_rope(head_dim, self.rotary_dim, config.max_position_embeddings, theta, scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # (max_pos, rotary_dim)
+        self.ops = backend.get("rotary")
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.apply_rotary_emb(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+
+
+class LlamaAttention(nn.Module):
+    """qkv_proj -> [q/k norm] -> RoPE -> write K/V to the paged cache -> attend -> o_proj."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp_size: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+
+        linear = backend.get("linear")
+        self.qkv_proj = linear.QKVParallelLinear(
+            hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias, tp_size=tp_size
+        )
+        # The head counts this process computes: the totals when one process plays every
+        # rank (minivllm.ref.linear), this rank's share when each rank is a process.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = linear.RowParallelLinear(
+            total_heads * self.head_dim, hidden, bias=o_bias, tp_size=tp_size
+        )
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.scale = self.head_dim**-0.5
+        self.ops_cache = backend.get("cache_write")
+        self.ops_attn = backend.get("attention")
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # (T,)
+        hidden: torch.Tensor,  # (T, hidden)
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (T, (H + 2 * H_kv) * D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()  # (T, H_kv, D)
+        if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+
+        k_cache, v_cache = kv_cache
+        self.ops_cache.reshape_and_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        out = self.ops_attn.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))  # (T, H, D) -> (T, hidden)
+
+
+class LlamaMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate and up fused."""
+
+    def __init__(self, config: Any, tp_size: int) -> None:
+        super().__init__()
+        linear = backend.get("linear")
+        inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = linear.MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=bias, tp_size=tp_size
+        )
+        self.down_proj = linear.RowParallelLinear(
+            inter, config.hidden_size, bias=bias, tp_size=tp_size
+        )
+        self.ops_act = backend.get("activation")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
+        return self.down_proj(self.ops_act.silu_and_mul(gate_up))  # (T, inter) -> (T, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP, each added to the residual stream."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp_size: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary_emb, tp_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # (T,)
+        hidden: torch.Tensor,  # (T, hidden): the previous layer's output
+        residual: torch.Tensor | None,  # (T, hidden): the stream before it; None in layer 0
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # layer 0: the embeddings are the residual stream
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers, and the final norm (no LM head)."""
+
+    def __init__(self, config: Any, tp_size: int) -> None:
+        super().__init__()
+        linear = backend.get("linear")
+        self.embed_tokens = linear.VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_size=tp_size
+        )
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, tp_size)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            args = (positions, hidden, residual, kv_caches[i], attn_metadata)
+            if PROFILE_LAYERS:
+                with torch.profiler.record_function(f"layer.{i}"):
+                    hidden, residual = layer(*args)
+            else:
+                hidden, residual = layer(*args)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    Args:
+        config: the HF ``PretrainedConfig`` (``transformers.AutoConfig``).
+        tp_size: tensor-parallel world size, passed to every linear layer.
+    """
+
+    def __init__(self, config: Any, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_size = tp_size
+        self.model = LlamaModel(config, tp_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        linear = backend.get("linear")
+        self.lm_head = linear.ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one shared matrix
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        """Run the decoder over a flat batch; write its K/V into ``kv_caches``."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"kv_caches must have one (k, v) pair per layer "
+                f"({len(self.model.layers)}), got {len(kv_caches)}"
+            )
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
+        """Project hidden states (usually each sequence's last token) to float32 logits."""
+        logits = self.lm_head(hidden)
+        return logits[..., : self.config.vocab_size].float()  # drop any TP vocab padding
+
+    # -- weights -------------------------------------------------------------
+
+    #: checkpoint name piece -> (our fused parameter's name piece, shard id)
+    stacked_params_mapping = [
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    ]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into our (fused) parameters.
+
+        ``weights`` yields ``(name, tensor)`` pairs such as
+        ``("model.layers.0.self_attn.q_proj.weight", W_q)``; the tensors may be
+        of any dtype and are cast to each parameter's. Returns the names of the
+        parameters loaded. Raises ``ValueError`` on an unexpected name, a shape
+        mismatch, or a parameter no checkpoint tensor filled.
+        """
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as the embedding
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
+                continue  # recomputed buffers some old checkpoints carry
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding matrix is the LM head
+            target, shard_id = self._fused_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"unexpected weight {name!r} in checkpoint (no parameter {target!r})"
+                )
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if shard_id is None:
+                    (loader or _copy_weight)(param, tensor.to(param.dtype))
+                else:
+                    loader(param, tensor.to(param.dtype), shard_id)
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"cannot load {name!r} into {target!r}: {e}") from e
+            loaded.add(f"{target}:{shard_id}" if shard_id is not None else target)
+        missing = self._missing_weights(loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {sorted(missing)}")
+        return {n.split(":")[0] for n in loaded}
+
+    def _fused_name(self, name: str) -> tuple[str, str | int | None]:
+        """``(our parameter name, shard id)`` for a checkpoint name (shard None: whole)."""
+        for fused, piece, shard_id in self.stacked_params_mapping:
+            if piece in name:
+                return name.replace(piece, fused), shard_id
+        return name, None
+
+    def _missing_weights(self, loaded: set[str]) -> list[str]:
+        """Parameters (or fused shards) that no checkpoint tensor filled."""
+        missing = []
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                shards = [f"{name}:{s}" for s in ("q", "k", "v")]
+            elif ".gate_up_proj." in name:
+                shards = [f"{name}:{s}" for s in (0, 1)]
+            else:
+                shards = [name]
+            if name in loaded:  # an already-fused checkpoint tensor
+                continue
+            missing += [s for s in shards if s not in loaded]
+        return missing
+
+
+def _copy_weight(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with a bias on q/k/v (switched on by ``model_type``)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head q/k RMSNorm and an explicit ``head_dim``."""
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's architecture; ``sliding_window`` is ignored (see module docstring)."""
+
+
+#: ``config.architectures[0]`` -> model class.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+#: ``config.model_type`` -> architecture name, for configs without ``architectures``.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def get_model_class(config: Any) -> type[LlamaForCausalLM]:
+    """The model class for an HF config; ``ValueError`` if we do not support it."""
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    name = archs[0] if archs else MODEL_TYPES.get(model_type)
+    if name not in MODEL_REGISTRY or MODEL_TYPES.get(model_type) != name:
+        raise ValueError(
+            f"unsupported architecture {name or archs!r} (model_type={model_type!r}); "
+            f"supported: {sorted(MODEL_REGISTRY)}"
+        )
+    return MODEL_REGISTRY[name]

