@@ -51,7 +51,7 @@ COMPONENTS: dict[str, str] = {
     "layernorm": "kernel",
     "rotary": "kernel",
     "activation": "kernel",
-    "sampler": "kernel",
+    "sampler": "host",
 }
 
 BUILTIN = ("ref", "fast", "auto")

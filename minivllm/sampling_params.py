@@ -8,9 +8,12 @@ value and the range allowed.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
+#: Temperatures in (0, 1e-2) make logits / T overflow; vLLM raises them to 1e-2.
+_MAX_TEMP = 1e-2
 
 
 @dataclass
@@ -77,6 +80,13 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
+        if 0.0 < self.temperature < _MAX_TEMP:
+            warnings.warn(
+                f"temperature {self.temperature} is below {_MAX_TEMP}, which may overflow "
+                f"logits / temperature; using {_MAX_TEMP} (as vLLM does)",
+                stacklevel=3,
+            )
+            self.temperature = _MAX_TEMP
 
     @property
     def stop_strings(self) -> list[str]:

@@ -1,0 +1,143 @@
+"""What ``LLM.generate`` hands back: ``RequestOutput`` / ``CompletionOutput`` / ``Logprob``.
+
+Names and fields follow vLLM (``vllm/outputs.py`` and ``vllm/sequence.py``),
+so code that reads vLLM's results reads ours::
+
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, logprobs=2))[0]
+    out.outputs[0].text                 # the generated text
+    out.outputs[0].token_ids            # the generated token ids
+    out.outputs[0].logprobs[3]          # {token_id: Logprob, ...} for the 4th token
+    out.outputs[0].finish_reason        # "stop" | "length" | "abort" | None
+
+Logprobs (when ``SamplingParams.logprobs`` is set) are, as in vLLM v1, the
+log-softmax of the model's *raw* logits, before temperature, penalties and
+top-k/top-p filtering. Each generated token gets a dict holding the
+``logprobs`` most likely tokens plus the sampled token (so it has
+``logprobs`` or ``logprobs + 1`` entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Per generated token: token id -> its :class:`Logprob`.
+SampleLogprobs = list[dict[int, "Logprob"]]
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position.
+
+    Attributes:
+        logprob: ``log p(token)`` under the model's raw distribution.
+        rank: 1 for the most likely token, 2 for the next, ...; as in vLLM,
+            the rank of a token is the number of tokens at least as likely.
+        decoded_token: the token's text, if the engine decoded it.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+    def __repr__(self) -> str:
+        tok = "" if self.decoded_token is None else f", {self.decoded_token!r}"
+        return f"Logprob({self.logprob:.4f}, rank={self.rank}{tok})"
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (minivllm supports ``n=1``, so ``index`` is 0).
+
+    Attributes:
+        index: which of the request's ``n`` completions this is.
+        text: the generated text (a stop string is cut off unless
+            ``include_stop_str_in_output``).
+        token_ids: the generated token ids (a stop *token* is included).
+        cumulative_logprob: sum of the sampled tokens' logprobs, or None when
+            logprobs were not requested.
+        logprobs: per generated token, ``{token_id: Logprob}``; None when
+            logprobs were not requested.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, or None while
+            the request is still running.
+        stop_reason: the stop string or stop token id that ended it; None for
+            EOS, length, or a running request.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once ``finish_reason`` is set."""
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        cum = "None" if self.cumulative_logprob is None else f"{self.cumulative_logprob:.4f}"
+        nlp = "None" if self.logprobs is None else f"[{len(self.logprobs)} positions]"
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, cumulative_logprob={cum}, logprobs={nlp}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request's life (``time.monotonic()`` seconds), as in vLLM.
+
+    Attributes:
+        arrival_time: when the request was added.
+        first_scheduled_time: when it was first scheduled (None until then).
+        first_token_time: when its first output token was sampled.
+        last_token_time: when its latest output token was sampled.
+        finished_time: when it finished (None while running).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first output token (TTFT)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """Everything the engine reports for one request at one step (or at the end).
+
+    Attributes:
+        request_id: the request's id.
+        prompt: the prompt text, if the request was given as text.
+        prompt_token_ids: the prompt as token ids.
+        outputs: one :class:`CompletionOutput` per completion (``n=1``: one).
+        finished: True once the request has finished.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timestamps, when the engine records them.
+        prompt_logprobs: always None here (minivllm does not compute them).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int | None = None
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
+            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
+        )
