@@ -257,3 +257,19 @@ def test_profiler_writes_a_trace_with_engine_stages(tiny_model_dir, tmp_path, ca
     llm.generate({"prompt_token_ids": [4, 5]}, greedy(2), use_tqdm=False)
     llm.stop_profile()
     assert (tmp_path / "t2.json").exists()
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_dir):
+    """The real default model: several prompts, 32 greedy tokens each, one batch."""
+    if _interpreted_kernels():
+        pytest.skip("30 layers in Triton's interpreter take too long; runs on CUDA")
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=512)
+    tok = llm.get_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
+    prompts = [tok.encode(t) for t in texts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(smollm2_dir, prompts, 32)
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in chat[0].outputs[0].text

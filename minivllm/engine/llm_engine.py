@@ -152,6 +152,7 @@ class LLMEngine:
         self.device, self.dtype = device, dtype
         self.eos_token_id = self.tokenizer.eos_token_id
         self.states: dict[str, _RequestState] = {}
+        self.last_scheduler_output = None
         self._ids = itertools.count()
         logger.info(
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
@@ -238,6 +239,7 @@ class LLMEngine:
         """Run one engine step; return an output for every request that made progress."""
         with record_function("schedule"):
             scheduler_output = self.scheduler.schedule()
+        self.last_scheduler_output = scheduler_output  # for stats, tutorials and tests
         if scheduler_output.is_empty:
             return []
         with record_function("prepare_inputs"):
