@@ -25,16 +25,20 @@ def _interpreted_kernels() -> bool:
 
 
 def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time."""
+    """transformers' greedy continuation of each prompt, one prompt at a time.
+
+    A plain argmax loop re-running the whole sequence each step (no cache at
+    all, so nothing is shared with the engine's paged cache); ``generate`` with
+    ``min_new_tokens`` would mask EOS, which ``ignore_eos`` does not.
+    """
     model = hf_model(path)
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            seq = list(p)
+            for _ in range(max_new_tokens):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            outs.append(seq[len(p):])
     return outs
 
 

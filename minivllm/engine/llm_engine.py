@@ -137,6 +137,11 @@ class LLMEngine:
                 )
             num_blocks = self._num_kv_blocks(device, dtype)
             self.executor.init_kv_cache(num_blocks, config.block_size)
+            worker = getattr(self.executor, "worker", None)
+            if device.type == "cuda" and not config.enforce_eager and \
+                    config.tensor_parallel_size == 1 and worker is not None:
+                worker.capture_cuda_graphs(config.max_num_seqs, max_model_len,
+                                           config.block_size)
             self.scheduler_config = SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -209,12 +214,7 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id)
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         self.runner.add_request(request)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids,
-            skip_special_tokens=sampling_params.skip_special_tokens,
-            stop=sampling_params.stop_strings,
-            include_stop_str_in_output=sampling_params.include_stop_str_in_output,
-        )
+        detok = IncrementalDetokenizer.from_request(self.tokenizer, request)
         self.states[request_id] = _RequestState(prompt, detok,
                                                 sampling_params.logprobs is not None)
         return request_id

@@ -8,9 +8,13 @@ and its own KV heads.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from minivllm.metadata import ModelInput
+
+logger = logging.getLogger("minivllm")
 
 
 class Worker:
@@ -37,6 +41,7 @@ class Worker:
         self.num_kv_heads = attn.num_kv_heads  # this rank's KV heads
         self.head_dim = attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV-cache bytes one block costs on this rank, over all layers, K and V."""
@@ -52,11 +57,44 @@ class Worker:
             for _ in range(self.num_layers)
         ]
 
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int) -> bool:
+        """Capture decode steps as CUDA graphs (see ``cuda_graph.py``); True on success.
+
+        Needs a CUDA device and the fast attention and cache-write kernels (the
+        ref twins synchronise with the host, which a graph cannot record). Any
+        failure leaves the worker running eagerly, with a warning.
+        """
+        from minivllm import backend
+        from minivllm.engine.cuda_graph import CUDAGraphRunner
+
+        if self.device.type != "cuda":
+            return False
+        if any(backend.resolve(c) != "fast" for c in ("attention", "cache_write")):
+            logger.warning("minivllm: CUDA graphs need the fast attention and cache_write; "
+                           "running eagerly")
+            return False
+        try:
+            runner = CUDAGraphRunner(self.model, self.kv_caches, max_num_seqs, max_model_len,
+                                     block_size)
+            runner.capture()
+        except Exception as e:  # noqa: BLE001 -- any capture failure means: run eagerly
+            logger.warning("minivllm: CUDA graph capture failed (%s); running eagerly", e)
+            return False
+        self.graph_runner = runner
+        return True
+
     @torch.inference_mode()
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """Run one forward pass; return ``(num_sampled, vocab)`` float32 logits."""
-        hidden = self.model(
-            model_input.input_ids, model_input.positions, self.kv_caches,
-            model_input.attn_metadata,
-        )  # (num_tokens, hidden)
+    def execute_model(self, model_input: ModelInput) -> torch.Tensor | None:
+        """Run one forward pass; return ``(num_sampled, vocab)`` float32 logits.
+
+        Tensor-parallel ranks other than 0 return None (the logits are gathered
+        to rank 0).
+        """
+        if self.graph_runner is not None and self.graph_runner.can_run(model_input):
+            hidden = self.graph_runner.run(model_input)
+        else:
+            hidden = self.model(
+                model_input.input_ids, model_input.positions, self.kv_caches,
+                model_input.attn_metadata,
+            )  # (num_tokens, hidden)
         return self.model.compute_logits(hidden[model_input.logits_indices])

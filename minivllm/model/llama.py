@@ -270,9 +270,11 @@ class LlamaForCausalLM(nn.Module):
             )
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (N, hidden) -> (N, V)
         """Project hidden states (usually each sequence's last token) to float32 logits."""
         logits = self.lm_head(hidden)
+        if logits is None:  # tensor parallel: only rank 0 receives the gathered logits
+            return None
         return logits[..., : self.config.vocab_size].float()  # drop any TP vocab padding
 
     # -- weights -------------------------------------------------------------
