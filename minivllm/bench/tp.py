@@ -1,0 +1,186 @@
+"""Tensor-parallel benchmark: ``python -m minivllm.bench tp``.
+
+Times the forward step (``executor.execute_model``) of one model at
+``tp_size=1`` (one in-process worker) and at ``tp_size=N`` (real worker
+processes, :class:`~minivllm.engine.executor.MultiprocExecutor`), for a
+prefill batch and a decode batch, and reports:
+
+- step time and tokens/s for each, and the tp=N / tp=1 speed-up;
+- the all-reduce share: wall time rank 0 spends inside collectives (the two
+  all-reduces per layer, the embedding's all-reduce and the logits gather,
+  timed by :func:`minivllm.distributed.enable_collective_timing`) divided
+  by the step time. On a CPU this includes waiting for the slowest rank.
+
+The model: SmolLM2-135M if it is in the cache (9 query heads, 3 KV heads, so
+``tp=3``), else a random-weight Llama of similar size with 8 heads and 4 KV
+heads (``tp=2``); ``--model`` picks any local model.
+
+Each rank gets ``cores / tp`` torch threads (at least 1), and the tp=1 run
+gets the same per-rank budget: the comparison is "one device against tp
+devices", as with GPUs, where a core plays the part of a GPU. The all-reduces
+go through gloo over the loopback interface, so their share is much larger
+than over NVLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm.metadata import AttentionMetadata, ModelInput
+
+BLOCK_SIZE = 16
+
+
+def synthetic_input(num_seqs: int, query_len: int, context_len: int, vocab: int,
+                    device: str | torch.device = "cpu", seed: int = 0) -> ModelInput:
+    """``num_seqs`` sequences of ``context_len`` cached tokens plus ``query_len`` new ones.
+
+    Each sequence owns its own consecutive blocks; the cached K/V are whatever
+    the cache holds (this is a timing workload, not a correctness one).
+    """
+    g = torch.Generator().manual_seed(seed)
+    seq_len = context_len + query_len
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, -1)
+    pos = torch.arange(context_len, seq_len).repeat(num_seqs)  # (T,)
+    seq = torch.arange(num_seqs).repeat_interleave(query_len)  # (T,) sequence of each token
+    slots = block_tables[seq, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    md = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        block_tables=block_tables.to(device),
+        query_start_loc=(torch.arange(num_seqs + 1, dtype=torch.int32) * query_len).to(device),
+        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+        max_query_len=query_len,
+        max_seq_len=seq_len,
+    )
+    ids = torch.randint(0, vocab, (num_seqs * query_len,), generator=g)
+    last = torch.arange(1, num_seqs + 1) * query_len - 1
+    return ModelInput(ids.to(device), pos.to(device), md, last.to(device))
+
+
+def save_random_llama(path: Path, hidden: int = 512, heads: int = 8, kv_heads: int = 4,
+                      intermediate: int = 1536, layers: int = 12, vocab: int = 16384) -> Path:
+    """A random-weight Llama (HF format, byte-level tokenizer) for timing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                         num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def time_steps(executor, model_input: ModelInput, steps: int) -> tuple[float, float]:
+    """(median step seconds, collective seconds per step) over ``steps`` runs after a warm-up."""
+    from minivllm import distributed
+
+    executor.execute_model(model_input)  # warm-up
+    times, comm = [], []
+    for _ in range(steps):
+        distributed.reset_collective_stats()
+        start = time.perf_counter()
+        executor.execute_model(model_input)
+        times.append(time.perf_counter() - start)
+        comm.append(distributed.get_collective_stats().seconds)
+    order = sorted(range(steps), key=times.__getitem__)
+    mid = order[steps // 2]
+    return times[mid], comm[mid]
+
+
+def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Step times of the prefill and decode workloads at ``tp``."""
+    from minivllm import backend, distributed
+    from minivllm.engine.executor import MultiprocExecutor, UniProcExecutor
+
+    dtype = getattr(torch, args.dtype)
+    with backend.use_backend(args.backend):
+        if tp == 1:
+            executor = UniProcExecutor(model, dtype, args.device, 1)
+        else:
+            executor = MultiprocExecutor(model, dtype, args.device, tp)
+    try:
+        vocab = executor.hf_config.vocab_size
+        workloads = {
+            "prefill": synthetic_input(args.prefill_seqs, args.prefill_len, 0, vocab, args.device),
+            "decode": synthetic_input(args.decode_seqs, 1, args.decode_context, vocab, args.device),
+        }
+        need = max(int(mi.attn_metadata.block_tables.max()) + 1 for mi in workloads.values())
+        executor.init_kv_cache(need, BLOCK_SIZE)
+        distributed.enable_collective_timing(True)
+        return {name: time_steps(executor, mi, args.steps) for name, mi in workloads.items()}
+    finally:
+        distributed.enable_collective_timing(False)
+        executor.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m minivllm.bench tp", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None,
+                   help="model name or directory (default: SmolLM2 if cached, else random Llama)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size to compare with 1")
+    p.add_argument("--random", action="store_true", help="use the random 8-head Llama")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default="auto",
+                   help="backend spec; the linear layers must be fast for tp > 1 (auto: fast)")
+    p.add_argument("--prefill-seqs", type=int, default=4)
+    p.add_argument("--prefill-len", type=int, default=128)
+    p.add_argument("--decode-seqs", type=int, default=32)
+    p.add_argument("--decode-context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(argv)
+
+    if args.backend == "auto" and torch.device(args.device).type == "cpu":
+        # "auto" picks Triton kernels wherever CUDA exists, but this model runs on the
+        # CPU: keep the kernels ref (the linear layers, host-side, are fast either way).
+        from minivllm.backend import COMPONENTS
+
+        args.backend = {n: "ref" if k == "kernel" else "fast" for n, k in COMPONENTS.items()}
+    tmp = None
+    model, tp = args.model, args.tp
+    if model is None and not args.random:
+        from minivllm.model import registry
+
+        cached = registry.cached_model_dir("smollm2")
+        if cached is not None:
+            model, tp = str(cached), tp or 3  # 9 query heads / 3 KV heads: tp=2 cannot split it
+    if model is None:
+        tmp = tempfile.TemporaryDirectory(prefix="minivllm-bench-tp-")
+        model = str(save_random_llama(Path(tmp.name)))
+    tp = tp or 2
+    # Each rank gets cores / tp threads (the executor's choice); give tp=1 the same
+    # per-rank budget, so that the comparison is "1 device vs tp devices" as on GPUs.
+    threads = max(1, len(os.sched_getaffinity(0)) // tp)
+    torch.set_num_threads(threads)
+    print(f"model {model}, tp=1 vs tp={tp}, {args.dtype} on {args.device}, "
+          f"{threads} thread(s) per rank")
+    results = {t: run(model, t, args) for t in (1, tp)}
+    tokens = {"prefill": args.prefill_seqs * args.prefill_len, "decode": args.decode_seqs}
+    print(f"{'workload':<9} {'tp':>3} {'step ms':>9} {'tokens/s':>10} {'speed-up':>9} "
+          f"{'collective share':>17}")
+    for name in ("prefill", "decode"):
+        base = results[1][name][0]
+        for t in (1, tp):
+            step, comm = results[t][name]
+            print(f"{name:<9} {t:>3} {step * 1e3:>9.1f} {tokens[name] / step:>10.0f} "
+                  f"{base / step:>8.2f}x {comm / step:>16.0%}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The tensor-parallel process group and its collectives (vLLM's ``parallel_state``, minimal).
+
+One process per rank calls :func:`init_distributed` once; from then on the
+layers of :mod:`minivllm.fast.linear` ask :func:`get_tp_rank` which shard is
+theirs and communicate through the ``tensor_model_parallel_*`` functions.
+Before :func:`init_distributed` (and with ``tp_size=1``) the process is rank 0
+of a group of 1 and every collective is the identity.
+
+Three groups, all over the same ranks:
+
+- the *device group* (the default group): ``nccl`` on CUDA, ``gloo`` on CPU;
+  carries the model's collectives (two all-reduces per layer, one gather of
+  the logits). Created with a short ``timeout`` so that a dead peer makes a
+  collective raise instead of hanging forever.
+- the *CPU group* (gloo, same short timeout): host-side metadata, such as the
+  packed :class:`~minivllm.metadata.ModelInput` rank 0 broadcasts each step.
+  On CPU it is the device group itself.
+- the *control group* (gloo, a long timeout): worker processes wait here for
+  the next command between steps, for as long as the engine stays idle.
+
+The state is module-level, as in vLLM: one process belongs to one
+tensor-parallel group.
+
+Collective timing: :func:`enable_collective_timing` makes every collective
+record its wall time (synchronising the device first, on CUDA), read back by
+:func:`get_collective_stats`; ``python -m minivllm.bench tp`` uses it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+_CPU_GROUP: dist.ProcessGroup | None = None
+_CONTROL_GROUP: dist.ProcessGroup | None = None
+
+#: How long an idle worker waits for the next command (see the module docstring).
+CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
+                     timeout_s: float = 60.0) -> None:
+    """Join the tensor-parallel group as ``rank`` of ``world_size``.
+
+    Args:
+        rank: this process's rank, in ``[0, world_size)``.
+        world_size: number of ranks (= ``tp_size``).
+        init_method: the rendezvous, e.g. ``"tcp://127.0.0.1:29500"``.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
+        timeout_s: how long a collective may wait for a peer before raising.
+    """
+    global _TP_RANK, _TP_SIZE, _CPU_GROUP, _CONTROL_GROUP
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if dist.is_initialized():
+        raise RuntimeError("init_distributed: this process already joined a group")
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    ranks = list(range(world_size))
+    _CPU_GROUP = (dist.group.WORLD if backend == "gloo"
+                  else dist.new_group(ranks, timeout=timeout, backend="gloo"))
+    _CONTROL_GROUP = dist.new_group(ranks, timeout=timedelta(seconds=CONTROL_TIMEOUT_S),
+                                    backend="gloo")
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def destroy_distributed() -> None:
+    """Leave the group (safe to call twice, or after a peer died)."""
+    global _TP_RANK, _TP_SIZE, _CPU_GROUP, _CONTROL_GROUP
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group (dead peer) may fail to tear down cleanly
+            pass
+    _TP_RANK, _TP_SIZE, _CPU_GROUP, _CONTROL_GROUP = 0, 1, None, None
+
+
+def is_initialized() -> bool:
+    """True between :func:`init_distributed` and :func:`destroy_distributed`."""
+    return dist.is_initialized()
+
+
+def get_tp_rank() -> int:
+    """This process's rank in the tensor-parallel group (0 before init)."""
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    """The tensor-parallel world size (1 before init)."""
+    return _TP_SIZE
+
+
+def get_cpu_group() -> dist.ProcessGroup | None:
+    """The gloo group for host-side tensors (short timeout)."""
+    return _CPU_GROUP
+
+
+def get_control_group() -> dist.ProcessGroup | None:
+    """The gloo group idle workers wait on (long timeout)."""
+    return _CONTROL_GROUP
+
+
+# --------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class CollectiveStats:
+    """Wall time spent in collectives since the last reset."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+_STATS = CollectiveStats()
+_TIMING = False
+
+
+def enable_collective_timing(enabled: bool = True) -> None:
+    """Record the wall time of every collective (costs a device sync on CUDA)."""
+    global _TIMING
+    _TIMING = enabled
+
+
+def get_collective_stats() -> CollectiveStats:
+    """A copy of the counters."""
+    return CollectiveStats(_STATS.calls, _STATS.seconds, _STATS.bytes)
+
+
+def reset_collective_stats() -> None:
+    """Zero the counters."""
+    _STATS.calls, _STATS.seconds, _STATS.bytes = 0, 0.0, 0
+
+
+def _timed(fn, x: torch.Tensor):  # noqa: ANN001, ANN202  (a tiny wrapper)
+    if not _TIMING:
+        return fn()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)  # do not bill the collective for earlier kernels
+    start = time.perf_counter()
+    out = fn()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    _STATS.calls += 1
+    _STATS.seconds += time.perf_counter() - start
+    _STATS.bytes += x.numel() * x.element_size()
+    return out
+
+
+# --------------------------------------------------------------------------
+# Collectives (the identity with one rank)
+# --------------------------------------------------------------------------
+
+
+def _require_group() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"tensor parallelism with tp_size={_TP_SIZE} needs init_distributed() in every rank "
+            "(minivllm.engine.executor.MultiprocExecutor does it)"
+        )
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over all ranks; every rank gets the sum (in place; returns ``x``)."""
+    if _TP_SIZE == 1:
+        return x
+    _require_group()
+    return _timed(lambda: (dist.all_reduce(x), x)[1], x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order, on every rank."""
+    if _TP_SIZE == 1:
+        return x
+    _require_group()
+    x = x.contiguous()
+
+    def gather() -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=dim)
+
+    return _timed(gather, x)
+
+
+def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0,
+                                 dim: int = -1) -> torch.Tensor | None:
+    """Concatenate every rank's ``x`` along ``dim`` on rank ``dst``; None on the others."""
+    if _TP_SIZE == 1:
+        return x
+    _require_group()
+    x = x.contiguous()
+
+    def gather() -> torch.Tensor | None:
+        parts = [torch.empty_like(x) for _ in range(_TP_SIZE)] if _TP_RANK == dst else None
+        dist.gather(x, parts, dst=dst)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    return _timed(gather, x)
