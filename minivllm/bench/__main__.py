@@ -1,0 +1,36 @@
+"""``python -m minivllm.bench NAME [options]``: run ``minivllm.bench.NAME.main(options)``.
+
+Benchmarks: ``throughput`` (end to end), ``host`` (allocator, block tables,
+scheduler), ``kernels`` (Triton vs ref), ``tp`` (tensor parallel).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import minivllm.bench
+
+
+def available() -> list[str]:
+    """Names of the benchmark modules in this package."""
+    return sorted(m.name for m in pkgutil.iter_modules(minivllm.bench.__path__)
+                  if not m.name.startswith("_"))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = available()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m minivllm.bench NAME [options]; NAME is one of {names}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in names:
+        raise SystemExit(f"unknown benchmark {name!r}; choose one of {names}")
+    result = importlib.import_module(f"minivllm.bench.{name}").main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

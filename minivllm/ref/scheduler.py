@@ -1,0 +1,278 @@
+"""The continuous-batching scheduler (vLLM v1 style), readable version.
+
+Each engine step the scheduler decides which requests run and how many of
+their tokens are computed, under two limits: a *token budget*
+(``max_num_batched_tokens``: prefill chunks and decodes together) and a cap on
+running requests (``max_num_seqs``). There is no separate "prefill phase" and
+"decode phase": a request just has ``num_tokens - num_computed_tokens`` tokens
+left to compute, which is its whole prompt when it arrives and 1 when it is
+decoding. One step (:meth:`Scheduler.schedule`):
+
+1. **Running requests first**, in order. Each gets
+   ``min(tokens left, budget left)`` tokens: a decode gets 1, a long prompt
+   continues its chunk. If the pool has no block for it, the most recently
+   admitted running request (the tail of ``running``) is **preempted**: its
+   blocks are freed, it will recompute everything later, and it goes to the
+   *front* of the waiting queue. If the tail is the request itself, it
+   preempts itself and the step stops scheduling running requests.
+2. **Then waiting requests**, first come first served, unless something was
+   preempted this step (the pool is short; admitting more would just thrash).
+   On admission the prefix cache is consulted; a prompt longer than the budget
+   left is split (**chunked prefill**); the first request that does not fit
+   stops admission (no skipping ahead, so nobody starves).
+
+After the forward pass, :meth:`Scheduler.update_from_output` advances
+``num_computed_tokens``, appends sampled tokens, applies stop rules and frees
+finished requests' blocks (their full blocks stay in the prefix cache).
+
+A request that could never fit (longer than ``max_model_len``, or needing
+more blocks than the whole pool) is rejected by :meth:`add_request`, so the
+loop above always makes progress: alone, any request fits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from minivllm import backend
+from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.metadata import SchedulerOutput
+from minivllm.ref.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.request import Request, RequestStatus, check_stop
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and preemption.
+
+    Args:
+        scheduler_config: budget, ``max_num_seqs``, ``max_model_len``, chunking.
+        cache_config: ``num_blocks`` (the pool), ``block_size``, prefix caching.
+        device: where ``block_tables`` builds its tensors for the model runner.
+
+    The block allocator and the block tables are whichever implementations
+    the swap layer selects when the scheduler is built
+    (``backend.get("block_allocator")``, ``backend.get("block_table")``).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if cache_config.num_blocks < 1:
+            raise ValueError(f"cache_config.num_blocks must be >= 1, got {cache_config.num_blocks}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.block_allocator = backend.get("block_allocator").BlockAllocator(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.block_tables = backend.get("block_table").BlockTables(
+            scheduler_config.max_num_seqs,
+            cdiv(scheduler_config.max_model_len, cache_config.block_size),
+            cache_config.block_size,
+            device,
+        )
+        self.kv_cache_manager = KVCacheManager(self.block_allocator, self.block_tables)
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self.finished_req_ids: list[str] = []  # finished since the last schedule()
+
+    # -- adding and removing requests ---------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (first come, first served), or raise ``ValueError`` if it can't run.
+
+        Fills in ``request.max_tokens`` when it is None (up to ``max_model_len``).
+        """
+        req_id = request.request_id
+        prompt_len = request.num_prompt_tokens
+        if req_id in self.requests:
+            raise ValueError(f"request_id {req_id!r} is already in the scheduler")
+        if prompt_len == 0:
+            raise ValueError(f"request {req_id!r}: the prompt must have at least 1 token")
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - prompt_len
+            if max_tokens < 1:
+                raise ValueError(
+                    f"request {req_id!r}: prompt of {prompt_len} tokens leaves no room to "
+                    f"generate within max_model_len={self.max_model_len}"
+                )
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
+                f"must be <= max_model_len={self.max_model_len}"
+            )
+        num_blocks_needed = cdiv(prompt_len + max_tokens, self.block_size)
+        if num_blocks_needed > self.cache_config.num_blocks:
+            raise ValueError(
+                f"request {req_id!r}: prompt + max_tokens = {prompt_len + max_tokens} tokens "
+                f"need {num_blocks_needed} KV blocks of {self.block_size}, but the whole pool "
+                f"has num_blocks={self.cache_config.num_blocks}"
+            )
+        request.max_tokens = max_tokens
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """End requests now (an abort, or a stop string the engine found); ignore unknown ids."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(
+                f"finished_status must be a FINISHED_* status, got {finished_status!r}"
+            )
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        """Forget a finished request: its blocks go back to the pool (cached ones stay cached)."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch; see the module docstring for the rules."""
+        token_budget = self.scheduler_config.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        num_scheduled_tokens: dict[str, int] = {}
+        preempted_req_ids: list[str] = []
+
+        # 1. Running requests, in order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:  # nothing to compute until a token is sampled
+                req_index += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                victim = self.running.pop()  # the most recently admitted request
+                self._preempt(victim)
+                preempted_req_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.PREEMPTED:
+                break  # it preempted itself: no blocks left for anyone behind it
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, first come first served, if nothing was preempted.
+        while self.waiting and token_budget > 0 and not preempted_req_ids:
+            if len(self.running) >= self.scheduler_config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                request
+            )
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if num_new_tokens > token_budget:
+                if not self.scheduler_config.enable_chunked_prefill:
+                    break  # the whole prompt must fit in one step
+                num_new_tokens = token_budget
+            if self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks
+            ) is None:
+                break  # the pool is full: later requests wait their turn too
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            scheduled_new.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_requests=scheduled_running + scheduled_new,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            preempted_req_ids=preempted_req_ids,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = []
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and send it to the front of the queue to recompute."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Record a finished forward pass; return the requests that finished now.
+
+        Args:
+            scheduler_output: what :meth:`schedule` returned for this step.
+            sampled_token_ids: request id -> the token sampled for it. The model
+                runner samples only requests whose every token is computed
+                after this step; a token for any other request is ignored.
+        """
+        finished = []
+        for request in scheduler_output.scheduled_requests:
+            req_id = request.request_id
+            if self.requests.get(req_id) is not request:
+                continue  # aborted since schedule()
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
+            token_id = sampled_token_ids.get(req_id)
+            if token_id is None or request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that is not the last one
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                self.running.remove(request)
+                self._free_request(request)
+                finished.append(request)
+        return finished
+
+    # -- queries ------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return len(self.waiting) + len(self.running) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of requests waiting or running."""
+        return len(self.waiting) + len(self.running)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The KV blocks ``request_id`` holds now, in logical order ([] if none)."""
+        return self.kv_cache_manager.get_block_ids(request_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks in the pool (cached-but-unused blocks count as free)."""
+        return self.block_allocator.num_free_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; only possible when no request holds blocks."""
+        return self.block_allocator.reset_prefix_cache()
