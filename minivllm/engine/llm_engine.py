@@ -150,8 +150,10 @@ class LLMEngine:
             )
             self.cache_config = CacheConfig(config.block_size, num_blocks,
                                             config.enable_prefix_caching)
+            # The block tables live where the model runs, so each step's
+            # block-table and slot-mapping tensors are built there directly.
             self.scheduler = backend.get("scheduler").Scheduler(
-                self.scheduler_config, self.cache_config
+                self.scheduler_config, self.cache_config, device=device
             )
             self.runner = ModelRunner(self.vocab_size, device, config.seed)
         self.device, self.dtype = device, dtype

@@ -12,6 +12,8 @@ finished :class:`~minivllm.metadata.ModelInput` to the other ranks.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from minivllm import backend
@@ -63,21 +65,17 @@ class ModelRunner:
         counts = [scheduler_output.num_scheduled_tokens[i] for i in req_ids]
 
         token_ids: list[int] = []
+        positions: list[int] = []
         for r, s, n in zip(reqs, starts, counts):
             token_ids.extend(r.all_token_ids[s : s + n])
+            positions.extend(range(s, s + n))
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)  # (T,)
-
-        counts_t = torch.tensor(counts, dtype=torch.int64, device=dev)  # (S,)
-        starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)  # (S,)
-        query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int32, device=dev)
-        torch.cumsum(counts_t, 0, out=query_start_loc[1:])
-        # positions[t] = start of its sequence + offset of t within its chunk
-        offsets = torch.arange(len(token_ids), device=dev) - torch.repeat_interleave(
-            query_start_loc[:-1].long(), counts_t
-        )
-        positions = torch.repeat_interleave(starts_t, counts_t) + offsets  # (T,)
-        seq_lens = (starts_t + counts_t).to(torch.int32)  # (S,)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # (T,)
+        cu_counts = [0, *itertools.accumulate(counts)]
+        query_start_loc = torch.tensor(cu_counts, dtype=torch.int32, device=dev)  # (S + 1,)
+        seq_lens = torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32,
+                                device=dev)  # (S,)
 
         attn_metadata = AttentionMetadata(
             slot_mapping=block_tables.slot_mapping(req_ids, starts, counts),
@@ -89,8 +87,10 @@ class ModelRunner:
         )
         sampling = [i for i, (r, s, n) in enumerate(zip(reqs, starts, counts))
                     if s + n == r.num_tokens]
-        logits_indices = query_start_loc[1:].long()[sampling] - 1
-        model_input = ModelInput(input_ids, positions, attn_metadata, logits_indices)
+        # The last scheduled token of each sampling request: its logits predict the next.
+        logits_indices = torch.tensor([cu_counts[i + 1] - 1 for i in sampling],
+                                      dtype=torch.int64, device=dev)
+        model_input = ModelInput(input_ids, positions_t, attn_metadata, logits_indices)
         return model_input, [reqs[i] for i in sampling]
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:

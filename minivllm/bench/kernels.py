@@ -1,0 +1,364 @@
+"""Kernel benchmark: ``python -m minivllm.bench kernels [--out results/bench_kernels.json]``.
+
+On a CUDA device, times the ref twin and the Triton twin of every kernel
+component on production-like shapes (``triton.testing.do_bench`` medians),
+checks that both give the same values, and reports:
+
+- decode attention (flash-decoding), batch 64 x context 4096, 32 query / 8 KV
+  heads, head_dim 128, bf16, block_size 16: GB/s, where bytes = the K and V
+  context read + queries read + outputs written, and the fraction of the
+  memory bandwidth measured in the same run by a 1 GiB device-to-device copy
+  (``2 * bytes / time``: read + write);
+- prefill attention, 8 sequences x 1024 tokens, same heads: time against
+  ``F.scaled_dot_product_attention(..., is_causal=True)`` on the same dense
+  work (the ratio ``t_sdpa / t_fast``; 1.0 = as fast as PyTorch's
+  FlashAttention), and TFLOP/s counting ``2 * 2 * B * H * L^2 * D / 2``
+  (two matmuls, causal half);
+- fused add + RMSNorm, RMSNorm, SiLU-and-mul, RoPE and the cache write:
+  speed-up over the ref and GB/s from the minimum bytes each must move.
+
+Without CUDA it says so for the kernels (the interpreter measures nothing
+useful about speed) and runs the host-side benchmark
+(``minivllm.bench.host``) if that module exists; ``--tiny`` instead runs every
+case on tiny shapes in Triton's interpreter, to check the benchmark itself
+(labelled "interpreter, correctness only": its times mean nothing). Prints a
+table, writes JSON and a PNG plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+#: Benchmark shapes; ``tiny`` is for checking the benchmark code in the interpreter.
+SHAPES = {
+    "full": dict(decode=(64, 4096, 32, 8, 128, 16), prefill=(8, 1024, 32, 8, 128, 16),
+                 norm=(4096, 4096), silu=(4096, 14336), rope=(4096, 32, 8, 128, 8192),
+                 cache=(4096, 8, 128, 16), copy_bytes=2**30),
+    "tiny": dict(decode=(2, 40, 4, 2, 16, 16), prefill=(2, 20, 4, 2, 16, 16),
+                 norm=(3, 64), silu=(3, 40), rope=(3, 4, 2, 16, 64),
+                 cache=(5, 2, 16, 4), copy_bytes=2**20),
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- helpers
+def _bench(fn) -> float:
+    """Median milliseconds of ``fn`` (CUDA events, warm-up excluded)."""
+    if not torch.cuda.is_available():  # --tiny in the interpreter: one untimed-quality run
+        import time
+
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def copy_bandwidth(device: str, n: int = 2**30) -> float:
+    """Bytes/s of an ``n``-byte device-to-device copy, counting bytes read + written."""
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3)
+
+
+def _paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, device):
+    """A paged cache holding ``seq_lens`` tokens per sequence in random blocks, + metadata."""
+    from minivllm.metadata import AttentionMetadata
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    first = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[first : first + n]
+        first += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    num_tokens = int(qsl[-1])
+    query = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
+    md = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return query, k_cache, v_cache, md
+
+
+def _row(name, t_ref, t_fast, err, gbytes=None, extra=None) -> dict:
+    row = dict(kernel=name, ref_ms=t_ref, fast_ms=t_fast, speedup=t_ref / t_fast, max_abs_err=err)
+    if gbytes is not None:
+        row["fast_GBps"] = gbytes / (t_fast * 1e-3)
+    row.update(extra or {})
+    return row
+
+
+# ----------------------------------------------------------------------------- the cases
+def bench_decode(ref, fast, bw: float, device: str, shapes: dict) -> dict:
+    batch, ctx, heads, kv_heads, d, bs = shapes["decode"]
+    q, kc, vc, md = _paged_batch([ctx] * batch, [1] * batch, heads, kv_heads, d, bs,
+                                 torch.bfloat16, device)  # fmt: skip
+    scale = d**-0.5
+    out_fast = fast.paged_attention(q, kc, vc, md, scale)
+    err = _err(out_fast, ref.paged_attention(q, kc, vc, md, scale))
+    t_fast = _bench(lambda: fast.paged_attention(q, kc, vc, md, scale))
+    t_ref = _bench(lambda: ref.paged_attention(q, kc, vc, md, scale))
+    nbytes = 2 * batch * ctx * kv_heads * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out write
+    gbps = nbytes / (t_fast * 1e-3)
+    return _row("decode attention", t_ref, t_fast, err, nbytes,
+                dict(shape=f"B{batch} ctx{ctx} H{heads}/{kv_heads} d{d} bf16 bs{bs}",
+                     bandwidth_fraction=gbps / bw))  # fmt: skip
+
+
+def bench_prefill(ref, fast, device: str, shapes: dict) -> dict:
+    import torch.nn.functional as F
+
+    batch, seq, heads, kv_heads, d, bs = shapes["prefill"]
+    q, kc, vc, md = _paged_batch([seq] * batch, [seq] * batch, heads, kv_heads, d, bs,
+                                 torch.bfloat16, device)  # fmt: skip
+    scale = d**-0.5
+    # The same work, dense, for SDPA: (B, H, L, D), K/V gathered once outside the timing.
+    qd = q.view(batch, seq, heads, d).transpose(1, 2)
+    kd = ref.gather_kv(kc, md.block_tables, seq).transpose(1, 2)  # (B, H_kv, L, D)
+    vd = ref.gather_kv(vc, md.block_tables, seq).transpose(1, 2)
+    group = heads // kv_heads
+    try:
+        def sdpa():
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+                                                  enable_gqa=True)  # fmt: skip
+        sdpa()
+    except TypeError:  # older torch: no enable_gqa; expand the KV heads instead
+        kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+
+    out_fast = fast.paged_attention(q, kc, vc, md, scale)
+    err = _err(out_fast.view(batch, seq, heads, d).transpose(1, 2), sdpa())
+    t_fast = _bench(lambda: fast.paged_attention(q, kc, vc, md, scale))
+    t_ref = _bench(lambda: ref.paged_attention(q, kc, vc, md, scale))
+    t_sdpa = _bench(sdpa)
+    flops = 4 * batch * heads * seq * seq * d / 2
+    return _row("prefill attention", t_ref, t_fast, err, None,
+                dict(shape=f"B{batch} L{seq} H{heads}/{kv_heads} d{d} bf16 bs{bs}",
+                     sdpa_ms=t_sdpa, sdpa_over_fast=t_sdpa / t_fast,
+                     fast_TFLOPs=flops / (t_fast * 1e-3) / 1e12,
+                     sdpa_TFLOPs=flops / (t_sdpa * 1e-3) / 1e12))  # fmt: skip
+
+
+def bench_norms(ref, fast, device: str, shapes: dict) -> list[dict]:
+    tokens, hidden = shapes["norm"]
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    r = torch.randn_like(x)
+    w = torch.randn(hidden, dtype=torch.bfloat16, device=device)
+    n = x.numel() * 2
+    o_ref = ref.fused_add_rms_norm(x, r, w, 1e-6)
+    o_fast = fast.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    err = max(_err(o_ref[0], o_fast[0]), _err(o_ref[1], o_fast[1]))
+    # The fast twin updates x/residual in place; re-running it on the same buffers is fine
+    # for timing (the residual just keeps growing, which costs the same).
+    xf, rf = x.clone(), r.clone()
+    fused = _row("fused add+RMSNorm", _bench(lambda: ref.fused_add_rms_norm(x, r, w, 1e-6)),
+                 _bench(lambda: fast.fused_add_rms_norm(xf, rf, w, 1e-6)), err, 4 * n,
+                 dict(shape=f"T{tokens} hidden{hidden} bf16"))  # fmt: skip
+    err = _err(ref.rms_norm(x, w, 1e-6), fast.rms_norm(x, w, 1e-6))
+    plain = _row("RMSNorm", _bench(lambda: ref.rms_norm(x, w, 1e-6)),
+                 _bench(lambda: fast.rms_norm(x, w, 1e-6)), err, 2 * n,
+                 dict(shape=f"T{tokens} hidden{hidden} bf16"))  # fmt: skip
+    return [fused, plain]
+
+
+def bench_silu(ref, fast, device: str, shapes: dict) -> dict:
+    tokens, inter = shapes["silu"]
+    x = torch.randn(tokens, 2 * inter, dtype=torch.bfloat16, device=device)
+    err = _err(ref.silu_and_mul(x), fast.silu_and_mul(x))
+    return _row("SiLU-and-mul", _bench(lambda: ref.silu_and_mul(x)),
+                _bench(lambda: fast.silu_and_mul(x)), err, 3 * tokens * inter * 2,
+                dict(shape=f"T{tokens} I{inter} bf16"))  # fmt: skip
+
+
+def bench_rope(ref, fast, device: str, shapes: dict) -> dict:
+    tokens, heads, kv_heads, d, max_pos = shapes["rope"]
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=device).float() / d)
+    freqs = torch.outer(torch.arange(max_pos, device=device).float(), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    pos = torch.randint(0, max_pos, (tokens,), device=device)
+    q = torch.randn(tokens, heads, d, dtype=torch.bfloat16, device=device)
+    k = torch.randn(tokens, kv_heads, d, dtype=torch.bfloat16, device=device)
+    rq, rk = ref.apply_rotary_emb(pos, q, k, cache)
+    fq, fk = fast.apply_rotary_emb(pos, q.clone(), k.clone(), cache)
+    err = max(_err(rq, fq), _err(rk, fk))
+    qf, kf = q.clone(), k.clone()  # rotated in place again and again: same cost
+    nbytes = 2 * tokens * (heads + kv_heads) * d * 2 + tokens * d * 4
+    return _row("RoPE (neox)", _bench(lambda: ref.apply_rotary_emb(pos, q, k, cache)),
+                _bench(lambda: fast.apply_rotary_emb(pos, qf, kf, cache)), err, nbytes,
+                dict(shape=f"T{tokens} H{heads}/{kv_heads} d{d} bf16"))  # fmt: skip
+
+
+def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
+    tokens, kv_heads, d, bs = shapes["cache"]
+    num_blocks = 2 * tokens // bs
+    k = torch.randn(tokens, kv_heads, d, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_blocks * bs, device=device)[:tokens]
+    slots[::17] = -1  # some padding rows
+    caches = [torch.zeros(num_blocks, bs, kv_heads, d, dtype=torch.bfloat16, device=device)
+              for _ in range(4)]  # fmt: skip
+    ref.reshape_and_cache(k, v, caches[0], caches[1], slots)
+    fast.reshape_and_cache(k, v, caches[2], caches[3], slots)
+    err = max(_err(caches[0], caches[2]), _err(caches[1], caches[3]))
+    nbytes = 4 * tokens * kv_heads * d * 2
+    return _row("reshape_and_cache",
+                _bench(lambda: ref.reshape_and_cache(k, v, *caches[:2], slots)),
+                _bench(lambda: fast.reshape_and_cache(k, v, *caches[2:], slots)), err, nbytes,
+                dict(shape=f"T{tokens} H_kv{kv_heads} d{d} bf16 bs{bs}"))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- report
+def run_kernels(device: str, shapes: dict) -> dict:
+    """Every case on ``device``: CUDA (compiled), or CPU under the interpreter (--tiny)."""
+    ref = {n: importlib.import_module(f"minivllm.ref.{n}") for n in
+           ("attention", "layernorm", "activation", "rotary", "cache_write")}  # fmt: skip
+    fast = {n: importlib.import_module(f"minivllm.fast.{n}") for n in ref}
+    bw = copy_bandwidth(device, shapes["copy_bytes"])
+    rows = []
+    cases = [
+        ("decode", lambda: bench_decode(ref["attention"], fast["attention"], bw, device, shapes)),
+        ("prefill", lambda: bench_prefill(ref["attention"], fast["attention"], device, shapes)),
+        ("norms", lambda: bench_norms(ref["layernorm"], fast["layernorm"], device, shapes)),
+        ("silu", lambda: bench_silu(ref["activation"], fast["activation"], device, shapes)),
+        ("rope", lambda: bench_rope(ref["rotary"], fast["rotary"], device, shapes)),
+        ("cache", lambda: bench_cache_write(ref["cache_write"], fast["cache_write"], device,
+                                            shapes)),
+    ]  # fmt: skip
+    errors = {}
+    for name, case in cases:
+        try:
+            r = case()
+            rows.extend(r if isinstance(r, list) else [r])
+        except Exception as e:  # one failing case must not hide the others
+            errors[name] = f"{type(e).__name__}: {e}"
+            print(f"[bench kernels] {name} failed: {errors[name]}", flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    name = "cpu (interpreter, correctness only)"
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    return dict(cuda=device == "cuda", device=name, copy_GBps=bw / 1e9, rows=rows, errors=errors)
+
+
+def run_cpu() -> dict:
+    print("No CUDA device: the Triton kernels need a GPU to be timed (Triton's interpreter\n"
+          "only checks correctness: `pytest --backend=fast tests/test_attention.py`).")  # fmt: skip
+    result = dict(cuda=False, device="cpu", rows=[], errors={})
+    try:
+        host = importlib.import_module("minivllm.bench.host")
+    except ImportError:
+        print("minivllm.bench.host not found: skipping the host-side benchmark.")
+        return result
+    if hasattr(host, "main"):
+        print("Running the host-side benchmark (python -m minivllm.bench host):")
+        host.main([])
+        result["host"] = "ran minivllm.bench.host (see its own output/JSON)"
+    return result
+
+
+def print_table(result: dict) -> None:
+    if not result["rows"]:
+        return
+    print(f"\nminivllm bench kernels on {result['device']}; measured copy bandwidth "
+          f"{result['copy_GBps']:.0f} GB/s")  # fmt: skip
+    print(f"{'kernel':<20}{'ref ms':>9}{'fast ms':>9}{'speed-up':>10}{'fast GB/s':>11}  notes")
+    for r in result["rows"]:
+        notes = []
+        if "bandwidth_fraction" in r:
+            notes.append(f"{100 * r['bandwidth_fraction']:.0f}% of copy bandwidth")
+        if "sdpa_over_fast" in r:
+            notes.append(f"SDPA/fast time {r['sdpa_over_fast']:.2f} "
+                         f"({r['fast_TFLOPs']:.0f} vs {r['sdpa_TFLOPs']:.0f} TFLOP/s)")  # fmt: skip
+        notes.append(f"max err {r['max_abs_err']:.2g}")
+        gb = f"{r['fast_GBps'] / 1e9:.0f}" if "fast_GBps" in r else "-"
+        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>9.3f}{r['speedup']:>9.1f}x"
+              f"{gb:>11}  {'; '.join(notes)}")  # fmt: skip
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = result["rows"]
+    if not rows:
+        for ax in (ax1, ax2):
+            ax.text(0.5, 0.5, "no CUDA device:\nkernels not timed", ha="center", va="center")
+            ax.set_axis_off()
+    else:
+        names = [r["kernel"] for r in rows]
+        ax1.barh(names, [r["speedup"] for r in rows], color="tab:green")
+        ax1.axvline(1.0, color="k", lw=0.8)
+        ax1.set_xscale("log")
+        ax1.set_xlabel("speed-up of fast over ref (log)")
+        ax1.invert_yaxis()
+        bw_rows = [r for r in rows if "fast_GBps" in r]
+        ax2.barh([r["kernel"] for r in bw_rows], [r["fast_GBps"] / 1e9 for r in bw_rows])
+        ax2.axvline(result["copy_GBps"], color="r", ls="--", label="measured copy bandwidth")
+        ax2.set_xlabel("fast kernel GB/s (minimum bytes / time)")
+        ax2.invert_yaxis()
+        ax2.legend(loc="lower right")
+    fig.suptitle(f"minivllm kernels on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minivllm.bench kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", default="results/bench_kernels.json", help="JSON path (PNG beside it)")
+    p.add_argument("--tiny", action="store_true",
+                   help="without CUDA: run every case on tiny shapes in Triton's interpreter "
+                   "(checks the benchmark code; the times mean nothing)")  # fmt: skip
+    args = p.parse_args(argv)
+    if torch.cuda.is_available():
+        result = run_kernels("cuda", SHAPES["full"])
+    elif args.tiny:
+        import os
+
+        if "triton" in __import__("sys").modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before Triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+        result = run_kernels("cpu", SHAPES["tiny"])
+    else:
+        result = run_cpu()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print_table(result)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Paged attention over a mixed batch, with Triton kernels that read the cache in place.
+
+What you learn here: how a serving engine picks an attention kernel per batch.
+The contract is the ref twin's (:mod:`minivllm.ref.attention`): a flattened,
+unpadded batch of prefill chunks and decodes, whose keys and values are all
+in the paged cache already; causal, with the cached prefix fully visible;
+GQA by ``head // (num_heads // num_kv_heads)``.
+
+Two kernels do the work:
+
+- all-decode batches (every sequence has one query row, the common case in
+  steady-state serving) go to *flash-decoding*
+  (:mod:`minivllm.fast.attention_decode`): each sequence's context is split
+  across programs and the pieces are merged by log-sum-exp, so even a small
+  batch of long sequences fills the GPU;
+- any other batch (prefills, chunked prefills, prefix-cache hits, with or
+  without decodes mixed in) goes to the *unified* kernel
+  (:mod:`minivllm.fast.attention_prefill`): FlashAttention-style tiles of
+  query rows, one launch for the whole ragged batch.
+
+Neither kernel gathers K/V into a contiguous copy (the ref does), neither
+builds a score matrix in memory, and the choice between them uses only
+host-side integers (``max_query_len``, the token count), so dispatch never
+waits for the GPU.
+
+``gather_kv`` is the ref's helper, re-exported so that both twins have the
+same public names; the kernels here do not use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.fast.attention_decode import paged_decode_attention
+from minivllm.fast.attention_prefill import unified_attention
+from minivllm.metadata import AttentionMetadata
+from minivllm.ref.attention import gather_kv
+
+__all__ = ["gather_kv", "paged_attention"]
+
+
+def _check(query, k_cache, v_cache, metadata: AttentionMetadata) -> None:
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be (num_tokens, num_heads, head_dim), got {tuple(query.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, "
+            f"head_dim), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} must equal query head_dim {head_dim}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(
+            f"query, k_cache and v_cache must share a dtype, got {query.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}"
+        )
+    num_seqs = metadata.seq_lens.shape[0]
+    if metadata.query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must have shape ({num_seqs + 1},), "
+            f"got {tuple(metadata.query_start_loc.shape)}"
+        )
+    if metadata.block_tables.dim() != 2 or metadata.block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be (num_seqs={num_seqs}, max_blocks), "
+            f"got {tuple(metadata.block_tables.shape)}"
+        )
+
+
+def paged_attention(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    """Causal attention of every query row over its sequence's cached K/V."""
+    _check(query, k_cache, v_cache, metadata)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens = query.shape[0]
+    num_seqs = metadata.seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # Both facts are host-side ints: one row per sequence means every query_len is 1.
+    all_decode = metadata.max_query_len == 1 and num_tokens == num_seqs
+    if all_decode:
+        return paged_decode_attention(
+            query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, metadata.max_seq_len, scale, out,
+        )  # fmt: skip
+    return unified_attention(
+        query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, metadata.max_query_len, scale, out,
+    )  # fmt: skip

@@ -1,0 +1,113 @@
+"""Write new tokens' keys and values into the paged KV cache, in Triton.
+
+What you learn here: the simplest useful Triton kernel of an inference engine,
+a *scatter* through an index table. Token ``t`` of the batch writes its
+``(num_kv_heads, head_dim)`` key and value rows to slot ``slot_mapping[t]`` of
+the cache (block ``slot // block_size``, offset ``slot % block_size``); a slot
+of ``-1`` marks a padding row and is skipped.
+
+The ref twin (:mod:`minivllm.ref.cache_write`) does the same with boolean
+masking plus advanced-index assignment. Its memory traffic: it reads the
+slot ids, builds a compacted copy of the valid slots and of the valid K/V rows
+(``key[valid]`` materialises ``T * H * D`` elements once more, likewise for
+values), then scatters them: about ``4 * T * H * D`` element reads/writes
+instead of the minimum ``2 * T * H * D`` reads plus ``2 * T * H * D`` writes,
+and several launches. The kernel here reads each K/V element once and writes
+it once, in one launch, and never touches padding rows.
+
+Launch grid: ``(num_tokens, cdiv(num_kv_heads * head_dim, BLOCK))``. One
+program copies one block of ``BLOCK`` consecutive elements of one token's
+flattened ``(num_kv_heads * head_dim)`` row, for both K and V.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["reshape_and_cache"]
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,  # (num_tokens, H_kv, D), any strides with unit stride on D
+    value_ptr,  # (num_tokens, H_kv, D)
+    k_cache_ptr,  # (num_blocks, block_size, H_kv, D)
+    v_cache_ptr,  # (num_blocks, block_size, H_kv, D)
+    slot_mapping_ptr,  # (num_tokens,) int64, -1 = skip
+    stride_kt, stride_kh,  # key strides (token, head), in elements
+    stride_vt, stride_vh,  # value strides (token, head)
+    stride_cb, stride_cs, stride_ch,  # cache strides (block, slot-in-block, head)
+    block_size,  # tokens per cache block
+    HEAD_DIM: tl.constexpr,  # D
+    ROW: tl.constexpr,  # H_kv * D: elements per token
+    BLOCK: tl.constexpr,  # elements copied by one program (a power of 2)
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding row: nothing to write
+        return
+    block_id = slot // block_size
+    block_off = slot % block_size
+
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flattened (head, dim) index
+    mask = offs < ROW
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    token64 = token.to(tl.int64)  # big caches overflow int32 offsets
+    k = tl.load(key_ptr + token64 * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(value_ptr + token64 * stride_vt + head * stride_vh + dim, mask=mask)
+    dst = block_id * stride_cb + block_off * stride_cs + head * stride_ch + dim
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
+) -> None:
+    """Scatter ``key``/``value`` rows into ``k_cache``/``v_cache`` in place."""
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(
+            f"key and value must both be (num_tokens, num_kv_heads, head_dim), "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, "
+            f"head_dim), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} must match key's "
+            f"{(num_kv_heads, head_dim)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+
+    row = num_kv_heads * head_dim
+    block = min(triton.next_power_of_2(row), 2048)
+    grid = (num_tokens, triton.cdiv(row, block))
+    _reshape_and_cache_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1],
+        HEAD_DIM=head_dim, ROW=row, BLOCK=block,
+    )  # fmt: skip
