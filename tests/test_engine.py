@@ -277,3 +277,23 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir):
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert "Paris" in chat[0].outputs[0].text
+
+
+@pytest.mark.cuda
+def test_fast_matches_ref_on_cuda_with_cuda_graphs(tiny_model_dir):
+    """A larger random Qwen3-style model on the GPU: Triton kernels + CUDA graphs == ref."""
+    path = tiny_model_dir("qwen3", hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=128, intermediate_size=1024, num_hidden_layers=4,
+                          max_position_embeddings=2048)
+    prompts = random_prompts(12, [1, 17, 64, 130, 33, 5], seed=21)
+    outs = {}
+    for spec in ("ref", "fast"):
+        llm = LLM(str(path), backend=spec, dtype="float32", device="cuda", max_model_len=1024,
+                  max_num_seqs=16, max_num_batched_tokens=128)
+        if spec == "fast":
+            assert llm.llm_engine.executor.worker.graph_runner is not None, "no CUDA graphs"
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24),
+                           use_tqdm=False)
+        outs[spec] = [o.outputs[0].token_ids for o in res]
+    assert outs["fast"] == outs["ref"]
+    assert outs["ref"][:4] == hf_greedy(path, prompts[:4], 24)
