@@ -178,9 +178,12 @@ class LLMEngine:
         per_block = self.executor.bytes_per_block(cfg.block_size)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            # Leave room for activations: a step's batch, the logits, and slack.
+            # Our share of the GPU minus what we hold already (weights), never more than
+            # is free (other processes may use the GPU too), minus room for activations.
+            ours = torch.cuda.memory_reserved(device)
             activation_reserve = 2 << 30
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activation_reserve
+            budget = min(int(total * cfg.gpu_memory_utilization) - ours, free) \
+                - activation_reserve
         else:
             budget = cfg.kv_cache_memory
         num_blocks = budget // per_block
