@@ -13,23 +13,26 @@ cached positions ``0 .. context_len + j``: causal, with the prefix
 
 GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
-The reference splits the batch into two parts, both vectorised:
+The reference gathers each sequence's blocks out of the cache into a
+contiguous tensor and hands the rest to torch's
+``scaled_dot_product_attention`` (``softmax(q k^T * scale) v`` with a mask):
 
-- decode rows (``query_len == 1``), all at once: gather every sequence's
-  blocks into a padded ``(num_decodes, max_len, H_kv, D)`` tensor and mask
-  the padding;
-- prefill chunks, one sequence at a time (a step holds few of them), each a
-  single masked ``softmax(q k^T) v`` over its gathered context.
+- decode rows (``query_len == 1``) are batched: sorted by context length and
+  taken in groups of :data:`DECODE_GROUP`, each gathered into a padded
+  ``(group, longest, H_kv, D)`` tensor with the padding masked out (sorting
+  keeps the padding small);
+- prefill chunks run one sequence at a time (a step holds few of them), each
+  with a causal mask shifted by its cached context.
 
-Memory traffic: gathering copies each sequence's whole K and V context once
-more (the Triton twin reads the blocks in place instead), and the padded
-decode batch costs ``num_decodes * max_seq_len`` even when most sequences are
-short.
+Memory traffic: the gather copies every sequence's K and V context once more
+before attention reads it (the Triton twin reads the blocks in place), and the
+decode groups still pay for some padding.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from minivllm.metadata import AttentionMetadata
 
@@ -40,28 +43,33 @@ def gather_kv(
     max_len: int,
 ) -> torch.Tensor:  # (num_seqs, max_len, H_kv, D)
     """Copy each sequence's cached rows, in order, out of the paged cache."""
+    num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
     num_blocks_needed = (max_len + block_size - 1) // block_size
-    blocks = cache[block_tables[:, :num_blocks_needed].long()]  # (S, nb, bs, H_kv, D)
-    return blocks.reshape(block_tables.shape[0], -1, num_kv_heads, head_dim)[:, :max_len]
+    block_ids = block_tables[:, :num_blocks_needed].reshape(-1).long()  # (S * nb,)
+    # One row per block: index_select copies whole rows, much faster than
+    # advanced indexing (cache[block_tables]) on a CPU.
+    blocks = cache.flatten(1).index_select(0, block_ids)  # (S * nb, bs * H_kv * D)
+    return blocks.view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
 
 
-def _attend(
+#: Decode sequences attended to together (after sorting by context length).
+DECODE_GROUP = 16
+
+
+def _sdpa(
     q: torch.Tensor,  # (S, Q, H, D)
     k: torch.Tensor,  # (S, L, H_kv, D)
     v: torch.Tensor,  # (S, L, H_kv, D)
     allowed: torch.Tensor,  # (S, Q, L) bool: may query row attend to key column
     scale: float,
 ) -> torch.Tensor:  # (S, Q, H, D)
-    S, Q, H, D = q.shape
-    H_kv = k.shape[2]
-    group = H // H_kv
-    qg = q.float().reshape(S, Q, H_kv, group, D)
-    scores = torch.einsum("sqkgd,slkd->skgql", qg, k.float()) * scale  # (S, H_kv, g, Q, L)
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgql,slkd->sqkgd", probs, v.float())
-    return out.reshape(S, Q, H, D).to(q.dtype)
+    # SDPA wants heads before tokens: (S, H, Q, D); GQA repeats each KV head.
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
+    )
+    return out.transpose(1, 2)
 
 
 def paged_attention(
@@ -77,18 +85,19 @@ def paged_attention(
     seq_lens = metadata.seq_lens.tolist()
     query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
 
-    # Decodes: one query row each, batched together.
-    dec = [i for i, n in enumerate(query_lens) if n == 1]
-    if dec:
-        rows = torch.tensor([qsl[i] for i in dec], device=query.device)
-        lens = torch.tensor([seq_lens[i] for i in dec], device=query.device)
-        max_len = int(lens.max())
-        tables = metadata.block_tables[dec]
-        k = gather_kv(k_cache, tables, max_len)  # (S, L, H_kv, D)
+    # Decodes: one query row each, in groups of similar context length.
+    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
+    for g in range(0, len(decodes), DECODE_GROUP):
+        group = decodes[g : g + DECODE_GROUP]
+        rows = torch.tensor([qsl[i] for i in group], device=query.device)
+        lens = torch.tensor([seq_lens[i] for i in group], device=query.device)
+        max_len = seq_lens[group[-1]]  # sorted: the last is the longest
+        tables = metadata.block_tables[group]
+        k = gather_kv(k_cache, tables, max_len)  # (G, L, H_kv, D)
         v = gather_kv(v_cache, tables, max_len)
         positions = torch.arange(max_len, device=query.device)
-        allowed = (positions[None, :] < lens[:, None])[:, None, :]  # (S, 1, L)
-        out[rows] = _attend(query[rows][:, None], k, v, allowed, scale)[:, 0]
+        allowed = (positions[None, :] < lens[:, None])[:, None, :]  # (G, 1, L)
+        out[rows] = _sdpa(query[rows][:, None], k, v, allowed, scale)[:, 0]
 
     # Prefill chunks: one sequence at a time.
     for i, n in enumerate(query_lens):
@@ -101,5 +110,5 @@ def paged_attention(
         q_pos = context_len + torch.arange(n, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, n, L)
-        out[start : start + n] = _attend(query[None, start : start + n], k, v, allowed, scale)[0]
+        out[start : start + n] = _sdpa(query[None, start : start + n], k, v, allowed, scale)[0]
     return out

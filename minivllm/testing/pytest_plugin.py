@@ -45,7 +45,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from minivllm import backend
 
     interp = " (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
     return [f"minivllm backend: {config.getoption('--backend')}{interp}"]
