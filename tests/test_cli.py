@@ -1,0 +1,41 @@
+"""The ``minivllm`` command line on a tiny model: generate, chat and help."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from minivllm.cli import main
+
+
+def test_help_lists_the_commands(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("generate", "chat", "bench", "download"):
+        assert cmd in out
+
+
+def test_generate_prints_text_and_throughput(tiny_model_dir, capsys) -> None:
+    model = str(tiny_model_dir("llama"))
+    assert main(["generate", "hello", "--model", model, "--device", "cpu", "--max-tokens", "4",
+                 "--backend", "ref"]) == 0
+    out = capsys.readouterr().out
+    assert "### hello" in out and "output tokens/s" in out
+
+
+def test_chat_streams_and_quits(tiny_model_dir, monkeypatch, capsys) -> None:
+    model = str(tiny_model_dir("llama"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi there\n/quit\n"))
+    assert main(["chat", "--model", model, "--device", "cpu", "--max-tokens", "5",
+                 "--backend", "ref"]) == 0
+    out = capsys.readouterr().out
+    assert "[5 tokens" in out
+
+
+def test_bad_sampling_value_is_a_clear_error(tiny_model_dir) -> None:
+    model = str(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match="top_p"):
+        main(["generate", "x", "--model", model, "--device", "cpu", "--top-p", "2"])
