@@ -63,11 +63,11 @@ def valid_tp_sizes(hf_config: Any) -> list[int]:
     """The tensor-parallel sizes a Llama-family model splits evenly into.
 
     Query heads must divide evenly, KV heads divide evenly or are replicated
-    (see :func:`minivllm.ref.linear.qkv_tp_sizes`), and the MLP's
+    (see :func:`minivllm.tp_shards.qkv_tp_sizes`), and the MLP's
     ``intermediate_size`` must divide evenly. The vocabulary is padded, so it
     never limits ``tp_size``.
     """
-    from minivllm.ref.linear import qkv_tp_sizes
+    from minivllm.tp_shards import qkv_tp_sizes
 
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

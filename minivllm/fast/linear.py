@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm import distributed
-from minivllm.ref.linear import (
-    _check_shape,
+from minivllm.tp_shards import (
+    check_qkv_split,
+    check_shape,
     check_tp_size,
     default_weight_loader,
     divide,
@@ -102,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's rows of the full ``(output_size[, input_size])`` tensor."""
-        _check_shape(loaded_weight, (self.output_size, *param.shape[1:]), type(self).__name__)
+        check_shape(loaded_weight, (self.output_size, *param.shape[1:]), type(self).__name__)
         shard = self.output_size_per_partition
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
@@ -133,7 +134,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         if not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
-        _check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]),
+        check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[1:]),
                      f"MergedColumnParallelLinear shard {shard_id}")
         size = self.output_partition_sizes[shard_id]
         offset = sum(self.output_partition_sizes[:shard_id])
@@ -150,15 +151,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False, tp_size: int = 1) -> None:
-        check_tp_size(tp_size)
-        ok = qkv_tp_sizes(total_num_heads, total_num_kv_heads)
-        if tp_size not in ok:
-            raise ValueError(
-                f"QKVParallelLinear: tp_size={tp_size} does not split "
-                f"total_num_heads={total_num_heads}, total_num_kv_heads={total_num_kv_heads} "
-                f"(query heads must divide evenly; KV heads divide evenly or are replicated "
-                f"when tp_size is a multiple of them); tp sizes that work: {ok}"
-            )
+        check_qkv_split(total_num_heads, total_num_kv_heads, tp_size)
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads = total_num_heads // tp_size
@@ -183,7 +176,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             return
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _check_shape(loaded_weight, (q_rows if shard_id == "q" else kv_rows, *param.shape[1:]),
+        check_shape(loaded_weight, (q_rows if shard_id == "q" else kv_rows, *param.shape[1:]),
                      f"QKVParallelLinear {shard_id}")
         q, kv, _ = self.output_partition_sizes
         if shard_id == "q":
@@ -225,10 +218,10 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Weight: copy this rank's input columns; bias: copy it whole."""
         if param.dim() == 1:
-            _check_shape(loaded_weight, (self.output_size,), "RowParallelLinear bias")
+            check_shape(loaded_weight, (self.output_size,), "RowParallelLinear bias")
             param.data.copy_(loaded_weight)
             return
-        _check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
+        check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
         shard = self.input_size_per_partition
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
 
@@ -272,7 +265,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's rows of the full ``(vocab, dim)`` table (padding stays zero)."""
-        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
+        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
         self._load_rows(param, loaded_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
@@ -307,7 +300,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's rows of the full ``(vocab, dim)`` weight or ``(vocab,)`` bias."""
         if param.dim() == 1:
-            _check_shape(loaded_weight, (self.num_embeddings,), "ParallelLMHead bias")
+            check_shape(loaded_weight, (self.num_embeddings,), "ParallelLMHead bias")
             self._load_rows(param, loaded_weight)
             return
         super().weight_loader(param, loaded_weight)

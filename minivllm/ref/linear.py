@@ -51,6 +51,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.tp_shards import (
+    check_qkv_split,
+    check_shape,
+    check_tp_size,
+    default_weight_loader,
+    divide,
+    divisors,
+    kv_head_partition,
+    qkv_tp_sizes,
+    vocab_partition,
+)
+
 __all__ = [
     "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
@@ -61,78 +73,6 @@ __all__ = [
 #: True: this module computes every rank in one process (no worker processes
 #: are needed for ``tp_size > 1``). The fast twin sets it to False.
 SIMULATES_ALL_RANKS = True
-
-
-# --------------------------------------------------------------------------
-# Shard arithmetic (shared with minivllm.fast.linear)
-# --------------------------------------------------------------------------
-
-
-def divisors(n: int) -> list[int]:
-    """All ``d >= 1`` with ``n % d == 0``, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_tp_size(tp_size: int) -> None:
-    """Raise ``ValueError`` unless ``tp_size`` is a positive int."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-
-
-def divide(numerator: int, tp_size: int, what: str) -> int:
-    """``numerator // tp_size``, or a ``ValueError`` naming ``what`` and the sizes that work."""
-    check_tp_size(tp_size)
-    if numerator % tp_size != 0:
-        raise ValueError(
-            f"{what}={numerator} is not divisible by tp_size={tp_size}; "
-            f"tp sizes that work: {divisors(numerator)}"
-        )
-    return numerator // tp_size
-
-
-def qkv_tp_sizes(total_num_heads: int, total_num_kv_heads: int) -> list[int]:
-    """The ``tp_size`` values :class:`QKVParallelLinear` accepts for these head counts.
-
-    The query heads must split evenly. The KV heads either split evenly too,
-    or (``tp_size > num_kv_heads``) each KV head is replicated on
-    ``tp_size / num_kv_heads`` ranks, which needs ``tp_size % num_kv_heads == 0``.
-    """
-    return [
-        tp
-        for tp in divisors(total_num_heads)
-        if total_num_kv_heads % tp == 0 or tp % total_num_kv_heads == 0
-    ]
-
-
-def kv_head_partition(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    """``(num_kv_heads per rank, num_kv_head_replicas)`` for a tp-sharded QKV.
-
-    With at least as many KV heads as ranks, each rank gets
-    ``total / tp_size`` of them and nothing is replicated; with fewer, each
-    rank gets one and each KV head lives on ``tp_size / total`` ranks.
-    """
-    if tp_size <= total_num_kv_heads:
-        return total_num_kv_heads // tp_size, 1
-    return 1, tp_size // total_num_kv_heads
-
-
-def vocab_partition(num_embeddings: int, tp_size: int) -> tuple[int, int]:
-    """``(rows per rank, padded vocabulary size)``: the vocabulary padded to a
-    multiple of ``tp_size``, so every rank holds ``ceil(vocab / tp_size)`` rows."""
-    check_tp_size(tp_size)
-    per_partition = -(-num_embeddings // tp_size)
-    return per_partition, per_partition * tp_size
-
-
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    """Copy a whole, unsharded checkpoint tensor into ``param`` (shapes must match)."""
-    _check_shape(loaded_weight, tuple(param.shape), "default_weight_loader")
-    param.data.copy_(loaded_weight)
-
-
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
-    if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != expected {expected}")
 
 
 # --------------------------------------------------------------------------
@@ -183,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy rank ``r``'s rows of the full ``(output_size[, input_size])`` tensor into ``param[r]``."""
-        _check_shape(loaded_weight, (self.output_size, *param.shape[2:]), type(self).__name__)
+        check_shape(loaded_weight, (self.output_size, *param.shape[2:]), type(self).__name__)
         shard = self.output_size_per_partition
         for rank in range(self.tp_size):
             param.data[rank].copy_(loaded_weight[rank * shard : (rank + 1) * shard])
@@ -243,7 +183,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         if not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be in [0, {len(self.output_sizes)}), got {shard_id}")
-        _check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[2:]),
+        check_shape(loaded_weight, (self.output_sizes[shard_id], *param.shape[2:]),
                      f"MergedColumnParallelLinear shard {shard_id}")
         size = self.output_partition_sizes[shard_id]
         offset = sum(self.output_partition_sizes[:shard_id])  # where it sits on each rank
@@ -270,15 +210,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False, tp_size: int = 1) -> None:
-        check_tp_size(tp_size)
-        ok = qkv_tp_sizes(total_num_heads, total_num_kv_heads)
-        if tp_size not in ok:
-            raise ValueError(
-                f"QKVParallelLinear: tp_size={tp_size} does not split "
-                f"total_num_heads={total_num_heads}, total_num_kv_heads={total_num_kv_heads} "
-                f"(query heads must divide evenly; KV heads divide evenly or are replicated "
-                f"when tp_size is a multiple of them); tp sizes that work: {ok}"
-            )
+        check_qkv_split(total_num_heads, total_num_kv_heads, tp_size)
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
         self.num_heads_per_rank = total_num_heads // tp_size
@@ -316,7 +248,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         full_rows = q_rows if shard_id == "q" else kv_rows
-        _check_shape(loaded_weight, (full_rows, *param.shape[2:]), f"QKVParallelLinear {shard_id}")
+        check_shape(loaded_weight, (full_rows, *param.shape[2:]), f"QKVParallelLinear {shard_id}")
         q, kv, _ = self.output_partition_sizes
         offset = {"q": 0, "k": q, "v": q + kv}[shard_id]  # where it sits on each rank
         for rank in range(self.tp_size):
@@ -376,10 +308,10 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Weight: copy rank ``r``'s input columns into ``param[r]``; bias: copy it whole."""
         if param.dim() == 1:  # the bias is not split
-            _check_shape(loaded_weight, (self.output_size,), "RowParallelLinear bias")
+            check_shape(loaded_weight, (self.output_size,), "RowParallelLinear bias")
             param.data.copy_(loaded_weight)
             return
-        _check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
+        check_shape(loaded_weight, (self.output_size, self.input_size), "RowParallelLinear")
         shard = self.input_size_per_partition
         for rank in range(self.tp_size):
             param.data[rank].copy_(loaded_weight[:, rank * shard : (rank + 1) * shard])
@@ -425,7 +357,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy the full ``(vocab, dim)`` table into the per-rank row ranges (padding stays zero)."""
-        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
+        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), type(self).__name__)
         padded = torch.zeros(self.num_embeddings_padded, self.embedding_dim, dtype=param.dtype)
         padded[: self.num_embeddings] = loaded_weight
         param.data.copy_(padded.view_as(param))
@@ -465,7 +397,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy the full ``(vocab, dim)`` weight or ``(vocab,)`` bias into the rank slices."""
         if param.dim() == 2:  # the bias
-            _check_shape(loaded_weight, (self.num_embeddings,), "ParallelLMHead bias")
+            check_shape(loaded_weight, (self.num_embeddings,), "ParallelLMHead bias")
             padded = torch.zeros(self.num_embeddings_padded, dtype=param.dtype)
             padded[: self.num_embeddings] = loaded_weight
             param.data.copy_(padded.view_as(param))
