@@ -141,22 +141,11 @@ class LLM:
         return self._run_engine(ids, use_tqdm)
 
     def _validate(self, encoded, params) -> None:
-        engine = self.llm_engine
-        max_len = engine.scheduler_config.max_model_len
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
-            if not ids:
-                raise ValueError(f"prompts[{i}] is empty (0 tokens)")
-            bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompts[{i}]: token ids must be in [0, {engine.vocab_size}), got {bad[:5]}"
-                )
-            need = len(ids) + (sp.max_tokens or 1)
-            if need > max_len:
-                raise ValueError(
-                    f"prompts[{i}]: prompt ({len(ids)} tokens) + max_tokens "
-                    f"({sp.max_tokens}) must be at most max_model_len={max_len}"
-                )
+            try:
+                self.llm_engine.validate_prompt(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -196,6 +196,30 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
 
+    def validate_prompt(self, prompt_token_ids: list[int],
+                        sampling_params: SamplingParams) -> None:
+        """Raise ``ValueError`` if this prompt can never be served.
+
+        Checks what the engine knows before scheduling: an empty prompt, token
+        ids outside the vocabulary, and prompt + max_tokens beyond
+        max_model_len. (The scheduler also refuses a request that needs more
+        KV blocks than the whole pool.)
+        """
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
+            )
+        max_len = self.scheduler_config.max_model_len
+        need = len(prompt_token_ids) + (sampling_params.max_tokens or 1)
+        if need > max_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({sampling_params.max_tokens}) must be at most max_model_len={max_len}"
+            )
+
     def add_request(
         self,
         prompt: str | None,
@@ -208,13 +232,7 @@ class LLMEngine:
         Raises ``ValueError`` (and queues nothing) for an empty prompt, token
         ids outside the vocabulary, or a request that can never fit.
         """
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-            )
+        self.validate_prompt(prompt_token_ids, sampling_params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id)
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
