@@ -24,12 +24,17 @@ contiguous tensor and hands the rest to torch's
 - prefill chunks run one sequence at a time (a step holds few of them), each
   with a causal mask shifted by its cached context.
 
+How the batch splits into these pieces, and their masks, is the same for every
+layer of a step, so it is planned once (on the first layer) and reused.
+
 Memory traffic: the gather copies every sequence's K and V context once more
 before attention reads it (the Triton twin reads the blocks in place), and the
 decode groups still pay for some padding.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +77,56 @@ def _sdpa(
     return out.transpose(1, 2)
 
 
+@dataclass
+class _Work:
+    """One SDPA call's worth of sequences: the same for every layer of a step."""
+
+    rows: torch.Tensor | slice  # query rows: a list of decode rows, or one prefill chunk
+    tables: torch.Tensor  # (S, max_blocks) block tables of these sequences
+    max_len: int  # longest context among them
+    allowed: torch.Tensor  # (S, Q, L) bool attention mask
+
+
+def _plan(metadata: AttentionMetadata) -> list[_Work]:
+    """Split the batch into decode groups and prefill chunks, with their masks.
+
+    Every layer of a step attends over the same sequences with the same masks,
+    so this runs on the first layer and is kept on ``metadata`` for the rest.
+    """
+    plan = metadata.__dict__.get("_ref_attention_plan")
+    if plan is not None:
+        return plan
+    dev = metadata.seq_lens.device
+    qsl = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+    plan = []
+
+    # Decodes: one query row each, in groups of similar context length.
+    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
+    for g in range(0, len(decodes), DECODE_GROUP):
+        group = decodes[g : g + DECODE_GROUP]
+        lens = torch.tensor([seq_lens[i] for i in group], device=dev)
+        max_len = seq_lens[group[-1]]  # sorted: the last is the longest
+        positions = torch.arange(max_len, device=dev)
+        allowed = (positions[None, :] < lens[:, None])[:, None, :]  # (G, 1, L)
+        rows = torch.tensor([qsl[i] for i in group], device=dev)
+        plan.append(_Work(rows, metadata.block_tables[group], max_len, allowed))
+
+    # Prefill chunks: one sequence at a time, causal, shifted by the cached context.
+    for i, n in enumerate(query_lens):
+        if n <= 1:
+            continue
+        seq_len, start = seq_lens[i], qsl[i]
+        q_pos = seq_len - n + torch.arange(n, device=dev)
+        k_pos = torch.arange(seq_len, device=dev)
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, n, L)
+        plan.append(_Work(slice(start, start + n), metadata.block_tables[i : i + 1], seq_len,
+                          allowed))
+    metadata.__dict__["_ref_attention_plan"] = plan
+    return plan
+
+
 def paged_attention(
     query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -81,34 +136,13 @@ def paged_attention(
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """Causal attention of every query row over its sequence's cached K/V."""
     out = torch.empty_like(query)
-    qsl = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-
-    # Decodes: one query row each, in groups of similar context length.
-    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
-    for g in range(0, len(decodes), DECODE_GROUP):
-        group = decodes[g : g + DECODE_GROUP]
-        rows = torch.tensor([qsl[i] for i in group], device=query.device)
-        lens = torch.tensor([seq_lens[i] for i in group], device=query.device)
-        max_len = seq_lens[group[-1]]  # sorted: the last is the longest
-        tables = metadata.block_tables[group]
-        k = gather_kv(k_cache, tables, max_len)  # (G, L, H_kv, D)
-        v = gather_kv(v_cache, tables, max_len)
-        positions = torch.arange(max_len, device=query.device)
-        allowed = (positions[None, :] < lens[:, None])[:, None, :]  # (G, 1, L)
-        out[rows] = _sdpa(query[rows][:, None], k, v, allowed, scale)[:, 0]
-
-    # Prefill chunks: one sequence at a time.
-    for i, n in enumerate(query_lens):
-        if n <= 1:
-            continue
-        seq_len, start = seq_lens[i], qsl[i]
-        context_len = seq_len - n
-        k = gather_kv(k_cache, metadata.block_tables[i : i + 1], seq_len)
-        v = gather_kv(v_cache, metadata.block_tables[i : i + 1], seq_len)
-        q_pos = context_len + torch.arange(n, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, n, L)
-        out[start : start + n] = _sdpa(query[None, start : start + n], k, v, allowed, scale)[0]
+    for work in _plan(metadata):
+        k = gather_kv(k_cache, work.tables, work.max_len)  # (S, L, H_kv, D)
+        v = gather_kv(v_cache, work.tables, work.max_len)
+        if isinstance(work.rows, slice):  # a prefill chunk: (1, n, H, D)
+            q = query[work.rows][None]
+            out[work.rows] = _sdpa(q, k, v, work.allowed, scale)[0]
+        else:  # a group of decodes: (G, 1, H, D)
+            q = query[work.rows][:, None]
+            out[work.rows] = _sdpa(q, k, v, work.allowed, scale)[:, 0]
     return out
