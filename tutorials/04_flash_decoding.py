@@ -221,16 +221,15 @@ print("saved 04_flash_decoding.png")
 # Batch 64, context 4096, 8 KV heads of dim 128, bf16 (2 bytes). The kernel
 # must read K and V once: `2 * 64 * 4096 * 8 * 128 * 2` bytes = 1.07 GB (call it
 # `kv`), so on a 4.8 TB/s H200 the floor is about 0.22 ms. The ref's gather
-# reads the cache and writes a copy (`2 kv`), the float32 upcast reads the copy
-# and writes one twice as big (`3 kv`), the einsum reads that (`2 kv`), and the
-# `(64, 32, 4096)` float32 scores are written, masked, softmaxed and read back
-# (about 6 passes). `python -m minivllm.bench kernels` measures the kernel's
+# reads the cache and writes a padded copy (`2 kv`), SDPA reads the copy again
+# (`kv`), and with an explicit mask it may write and read back the
+# `(64, 32, 4096)` float32 scores (about 2 passes). `python -m minivllm.bench kernels` measures the kernel's
 # GB/s against the GPU's copy bandwidth.
 
 # %%
 B, L, Hkv, D, H = 64, 4096, 8, 128, 32
 kv = 2 * B * L * Hkv * D * 2
-ref_bytes = (2 + 3 + 2) * kv + 6 * B * H * L * 4
+ref_bytes = (2 + 1) * kv + 2 * B * H * L * 4
 print(f"kernel: {kv / 1e9:.2f} GB; ref: about {ref_bytes / 1e9:.1f} GB "
       f"({ref_bytes / kv:.0f}x); floor on a 4.8 TB/s H200: {kv / 4.8e12 * 1e3:.2f} ms")
 
