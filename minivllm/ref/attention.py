@@ -34,6 +34,7 @@ decode groups still pay for some padding.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -87,15 +88,21 @@ class _Work:
     allowed: torch.Tensor  # (S, Q, L) bool attention mask
 
 
+#: The most recent step's plan, keyed by its metadata object (a weak reference,
+#: so a new step's metadata never matches an old one).
+_last_plan: tuple[weakref.ref, list[_Work]] | None = None
+
+
 def _plan(metadata: AttentionMetadata) -> list[_Work]:
     """Split the batch into decode groups and prefill chunks, with their masks.
 
     Every layer of a step attends over the same sequences with the same masks,
-    so this runs on the first layer and is kept on ``metadata`` for the rest.
+    so this runs on the first layer and is remembered (for that metadata object
+    only) for the rest.
     """
-    plan = metadata.__dict__.get("_ref_attention_plan")
-    if plan is not None:
-        return plan
+    global _last_plan
+    if _last_plan is not None and _last_plan[0]() is metadata:
+        return _last_plan[1]
     dev = metadata.seq_lens.device
     qsl = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
@@ -123,7 +130,7 @@ def _plan(metadata: AttentionMetadata) -> list[_Work]:
         allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, n, L)
         plan.append(_Work(slice(start, start + n), metadata.block_tables[i : i + 1], seq_len,
                           allowed))
-    metadata.__dict__["_ref_attention_plan"] = plan
+    _last_plan = (weakref.ref(metadata), plan)
     return plan
 
 
