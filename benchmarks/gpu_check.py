@@ -97,10 +97,8 @@ def aot_check() -> int:
 
     def batch(qlens, seq_lens, heads, kv_heads, d, bs, dtype):
         tables = torch.zeros(len(seq_lens), max(-(-s // bs) for s in seq_lens), dtype=torch.int32)
-        qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
-        md = AttentionMetadata(torch.zeros(sum(qlens), dtype=torch.int64), tables, qsl,
-                               torch.tensor(seq_lens, dtype=torch.int32), max(qlens),
-                               max(seq_lens))  # fmt: skip
+        md = AttentionMetadata.build(qlens, seq_lens, tables,
+                                     torch.zeros(sum(qlens), dtype=torch.int64))
         q = torch.empty(sum(qlens), heads, d, dtype=dtype)
         kc = torch.empty(8, bs, kv_heads, d, dtype=dtype)
         return q, kc, kc.clone(), md

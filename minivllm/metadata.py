@@ -9,6 +9,9 @@ Metadata is always passed as an explicit argument, never through global state.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +36,9 @@ class SchedulerOutput:
             back to the front of the waiting queue).
         finished_req_ids: requests that finished or were aborted since the
             last step (the model runner drops their per-request state).
+        num_prefix_cache_queries: tokens of the requests admitted this step
+            that were looked up in the prefix cache.
+        num_prefix_cache_hits: of those, tokens found there (not recomputed).
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -40,13 +46,15 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token of a flattened, unpadded batch reads and writes the KV cache.
 
@@ -57,6 +65,13 @@ class AttentionMetadata:
     chunks, earlier decode steps, or prefix-cache hits). A decode is simply a
     sequence with ``query_len == 1``.
 
+    It is frozen: one step builds it once (:meth:`build`), and every layer of
+    that step reads the same object. As in vLLM, the per-sequence lengths come
+    twice: as device tensors for the kernels, and as host-side tuples
+    (``*_host``) for anything that loops or decides on the host (launch grids,
+    the ref's per-sequence loop), so no kernel has to copy them back from the
+    device in every layer.
+
     Attributes:
         slot_mapping: ``(num_tokens,)`` int64; where to write each new token's
             K/V: ``slot = block_id * block_size + offset``. ``-1`` = skip
@@ -65,6 +80,8 @@ class AttentionMetadata:
             ids of each sequence, in order; unused entries are 0.
         query_start_loc: ``(num_seqs + 1,)`` int32 cumulative query lengths.
         seq_lens: ``(num_seqs,)`` int32 context length after this step.
+        query_start_loc_host: ``query_start_loc`` as a tuple of Python ints.
+        seq_lens_host: ``seq_lens`` as a tuple of Python ints.
         max_query_len: ``max(query lens)``, a Python int (for launch grids).
         max_seq_len: ``max(seq_lens)``, a Python int.
     """
@@ -73,21 +90,62 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
+    query_start_loc_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
     max_query_len: int
     max_seq_len: int
 
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+        slot_mapping: torch.Tensor,  # (num_tokens,) int64
+        device: str | torch.device | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for sequences with these query and context lengths (host ints).
+
+        The tensors go to ``device`` (default: ``block_tables``'s device).
+        """
+        if len(query_lens) != len(seq_lens):
+            raise ValueError(
+                f"query_lens and seq_lens must have one entry per sequence, got "
+                f"{len(query_lens)} and {len(seq_lens)}"
+            )
+        device = block_tables.device if device is None else torch.device(device)
+        qsl = (0, *itertools.accumulate(int(n) for n in query_lens))
+        lens = tuple(int(n) for n in seq_lens)
+        return cls(
+            slot_mapping=slot_mapping.to(device, torch.int64),
+            block_tables=block_tables.to(device, torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            query_start_loc_host=qsl,
+            seq_lens_host=lens,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(lens, default=0),
+        )
+
+    def to(self, device: str | torch.device) -> AttentionMetadata:
+        """The same metadata with its tensors on ``device``."""
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping.to(device),
+            block_tables=self.block_tables.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+        )
+
     @property
     def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
+        return len(self.seq_lens_host)
 
     @property
-    def query_lens(self) -> torch.Tensor:
-        return self.query_start_loc[1:] - self.query_start_loc[:-1]
-
-    @property
-    def context_lens(self) -> torch.Tensor:
-        """Tokens of each sequence already cached before this step."""
-        return self.seq_lens - self.query_lens
+    def query_lens_host(self) -> tuple[int, ...]:
+        """Query rows of each sequence this step (host ints)."""
+        qsl = self.query_start_loc_host
+        return tuple(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1))
 
 
 @dataclass

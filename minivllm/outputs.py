@@ -141,3 +141,56 @@ class RequestOutput:
             f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
             f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step did: the per-step record that tutorials, tests,
+    the profiler and the server's ``/metrics`` read (returned by
+    :meth:`minivllm.engine.llm_engine.LLMEngine.step_with_stats`).
+
+    Attributes:
+        step: index of this step (0 for the engine's first step).
+        num_scheduled_tokens: request id -> tokens computed for it this step.
+        decode_req_ids: the scheduled requests that ran a one-token decode
+            (every other scheduled request ran a prefill or recompute chunk).
+        preempted_req_ids: requests preempted this step.
+        finished_req_ids: requests that finished this step (stop, length or abort).
+        num_running: requests holding KV blocks after the step.
+        num_waiting: requests queued after the step.
+        num_blocks: KV blocks in the pool.
+        num_free_blocks: blocks free after the step (cached-but-unused count as free).
+        num_prefix_cache_queries: prompt tokens looked up in the prefix cache
+            (requests admitted this step).
+        num_prefix_cache_hits: of those, tokens found cached.
+    """
+
+    step: int
+    num_scheduled_tokens: dict[str, int]
+    decode_req_ids: frozenset[str]
+    preempted_req_ids: tuple[str, ...]
+    finished_req_ids: tuple[str, ...]
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed this step, all requests together."""
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode_req_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_decode_tokens
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool held by requests, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks

@@ -217,14 +217,13 @@ class PagedRunner:
             tables.append(blocks)
             self.num_computed[seq_id] = end
         width = max(len(t) for t in tables)
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        md = AttentionMetadata.build(
+            query_lens=[b - a for a, b in zip(qsl, qsl[1:])],
+            seq_lens=seq_lens,
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                      dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            max_query_len=max(len(t) for _, t in chunks),
-            max_seq_len=max(seq_lens),
+                                      dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            device=device,
         )
         with torch.no_grad():
             hidden = self.model(

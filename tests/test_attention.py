@@ -57,18 +57,13 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
         slots.append(s)
         k_flat[s] = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
         v_flat[s] = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
-    query_lens = torch.tensor([q for q, _ in seqs])
-    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    query_start_loc[1:] = query_lens.cumsum(0)
-    num_tokens = int(query_lens.sum())
+    num_tokens = sum(q for q, _ in seqs)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),  # unused by attention
+    metadata = AttentionMetadata.build(
+        query_lens=[q for q, _ in seqs],
+        seq_lens=[s for _, s in seqs],
         block_tables=block_tables,
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32),
-        max_query_len=int(query_lens.max()),
-        max_seq_len=max(s for _, s in seqs),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),  # unused by attention
     )
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return query, k_flat.view(cache_shape), v_flat.view(cache_shape), metadata, slots
@@ -103,14 +98,7 @@ def run_and_check(seqs, heads, head_dim, block_size, dtype, seed, device=DEVICE)
     clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     poisoned = impl is not ref_attention  # the ref's padded decode path would spread NaN
     k_in, v_in = (k_cache, v_cache) if poisoned else (clean_k, clean_v)
-    md_dev = AttentionMetadata(
-        slot_mapping=md.slot_mapping.to(device),
-        block_tables=md.block_tables.to(device),
-        query_start_loc=md.query_start_loc.to(device),
-        seq_lens=md.seq_lens.to(device),
-        max_query_len=md.max_query_len,
-        max_seq_len=md.max_seq_len,
-    )
+    md_dev = md.to(device)
     out = impl.paged_attention(query.to(device), k_in.to(device), v_in.to(device), md_dev, scale)
     out = out.cpu()
     assert out.shape == query.shape and out.dtype == dtype

@@ -86,14 +86,12 @@ class Batches:
             last.append(qsl[-1] - 1)
             self.computed[i] = end
         width = max(len(b) for b in self.blocks)
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        md = AttentionMetadata.build(
+            query_lens=[b - a for a, b in zip(qsl, qsl[1:])],
+            seq_lens=lens,
             block_tables=torch.tensor([b + [0] * (width - len(b)) for b in self.blocks],
                                       dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-            max_seq_len=max(lens),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
         )
         for seq in self.seqs:  # the "sampled" token of the next step
             seq.append(self.rng.randrange(self.vocab))

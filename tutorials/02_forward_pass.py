@@ -105,13 +105,11 @@ def step(chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
         tables.append(table)
         num_computed[seq] = end
     width = max(len(t) for t in tables)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
+    metadata = AttentionMetadata.build(
+        query_lens=[len(t) for _, t in chunks],
+        seq_lens=seq_lens,
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        max_query_len=max(len(t) for _, t in chunks),
-        max_seq_len=max(seq_lens),
+        slot_mapping=torch.tensor(slots),
     )
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, metadata)

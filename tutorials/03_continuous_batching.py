@@ -57,14 +57,10 @@ order = {rid: i for i, rid in enumerate(ids)}
 
 steps = []  # per step: {request index: (tokens computed, was it a decode?)}, preempted, free blocks
 while engine.has_unfinished_requests():
-    engine.step()
-    out = engine.last_scheduler_output
-    row = {}
-    for r in out.scheduled_requests:
-        n = out.num_scheduled_tokens[r.request_id]
-        row[order[r.request_id]] = (n, n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
-    steps.append((row, [order[i] for i in out.preempted_req_ids],
-                  engine.scheduler.num_free_blocks))
+    _, stats = engine.step_with_stats()  # the outputs, and a record of what the step did
+    row = {order[rid]: (n, rid in stats.decode_req_ids)
+           for rid, n in stats.num_scheduled_tokens.items()}
+    steps.append((row, [order[i] for i in stats.preempted_req_ids], stats.num_free_blocks))
 
 print(f"{len(steps)} steps")
 print("preemptions:", [(s, p) for s, (_, p, _) in enumerate(steps) if p])

@@ -68,13 +68,11 @@ k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
 v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
 query = torch.randn(len(seq_lens), num_heads, head_dim)  # one row per sequence
 scale = head_dim**-0.5
-metadata = AttentionMetadata(
-    slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
+metadata = AttentionMetadata.build(
+    query_lens=[1] * len(seq_lens),  # one row per sequence: a decode batch
+    seq_lens=seq_lens,
     block_tables=block_tables,
-    query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
-    seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-    max_query_len=1,
-    max_seq_len=max(seq_lens),
+    slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
 )
 print("block table of sequence 0:", block_tables[0, : blocks_per_seq[0]].tolist())
 
@@ -170,8 +168,7 @@ print("step 3 vs ref, max abs error:", (step3 - ref_out).abs().max().item())
 # then through the public `paged_attention` (512-token partitions).
 
 # %%
-md_dev = AttentionMetadata(**{k: (v.to(device) if torch.is_tensor(v) else v)
-                              for k, v in vars(metadata).items()})
+md_dev = metadata.to(device)
 q_dev, k_dev, v_dev = query.to(device), k_cache.to(device), v_cache.to(device)
 out = torch.full_like(q_dev, float("nan"))  # every row must be written
 paged_decode_attention(q_dev, k_dev, v_dev, md_dev.block_tables, md_dev.seq_lens,

@@ -89,17 +89,10 @@ def _paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dt
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, dtype=dtype, device=device)
     v_cache = torch.randn(shape, dtype=dtype, device=device)
-    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(query_lens).cumsum(0)
-    num_tokens = int(qsl[-1])
+    num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
-    md = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+    md = AttentionMetadata.build(
+        query_lens, seq_lens, tables, torch.full((num_tokens,), -1, dtype=torch.int64), device
     )
     return query, k_cache, v_cache, md
 

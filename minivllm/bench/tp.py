@@ -51,14 +51,8 @@ def synthetic_input(num_seqs: int, query_len: int, context_len: int, vocab: int,
     pos = torch.arange(context_len, seq_len).repeat(num_seqs)  # (T,)
     seq = torch.arange(num_seqs).repeat_interleave(query_len)  # (T,) sequence of each token
     slots = block_tables[seq, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    md = AttentionMetadata(
-        slot_mapping=slots.to(device),
-        block_tables=block_tables.to(device),
-        query_start_loc=(torch.arange(num_seqs + 1, dtype=torch.int32) * query_len).to(device),
-        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
-        max_query_len=query_len,
-        max_seq_len=seq_len,
-    )
+    md = AttentionMetadata.build([query_len] * num_seqs, [seq_len] * num_seqs, block_tables,
+                                 slots, device)
     ids = torch.randint(0, vocab, (num_seqs * query_len,), generator=g)
     last = torch.arange(1, num_seqs + 1) * query_len - 1
     return ModelInput(ids.to(device), pos.to(device), md, last.to(device))

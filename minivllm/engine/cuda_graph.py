@@ -74,9 +74,13 @@ class CUDAGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _metadata(self, bs: int) -> AttentionMetadata:
+        # Captured once and replayed with new buffer contents: the host copies
+        # describe the capture (bs one-token decodes of up to max_model_len tokens).
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
+            query_start_loc_host=tuple(range(bs + 1)),
+            seq_lens_host=(self.max_model_len,) * bs,
             max_query_len=1, max_seq_len=self.max_model_len,
         )
 

@@ -145,17 +145,17 @@ def pack_model_input(model_input: ModelInput) -> tuple[torch.Tensor, torch.Tenso
 def unpack_model_input(header: torch.Tensor, payload: torch.Tensor,
                        device: str | torch.device) -> ModelInput:
     """Invert :func:`pack_model_input`, putting the tensors on ``device``."""
-    _, T, S, B, L, max_query_len, max_seq_len, _ = header.tolist()
-    payload = payload.to(device)
+    _, T, S, B, L, _, _, _ = header.tolist()
     ids, pos, slots, tables, qsl, lens, logits_idx = payload.split([T, T, T, S * B, S + 1, S, L])
-    md = AttentionMetadata(
+    qsl_host = qsl.tolist()  # the payload is on the CPU: the host copies are free here
+    md = AttentionMetadata.build(
+        query_lens=[b - a for a, b in zip(qsl_host, qsl_host[1:])],
+        seq_lens=lens.tolist(),
+        block_tables=tables.reshape(S, B),
         slot_mapping=slots,
-        block_tables=tables.reshape(S, B).to(torch.int32),
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=lens.to(torch.int32),
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
+        device=device,
     )
+    ids, pos, logits_idx = ids.to(device), pos.to(device), logits_idx.to(device)
     return ModelInput(input_ids=ids, positions=pos, attn_metadata=md, logits_indices=logits_idx)
 
 

@@ -26,7 +26,7 @@ from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
@@ -159,8 +159,8 @@ class LLMEngine:
         self.device, self.dtype = device, dtype
         self.eos_token_id = self.tokenizer.eos_token_id
         self.states: dict[str, _RequestState] = {}
-        self.last_scheduler_output = None
         self._ids = itertools.count()
+        self._step_index = itertools.count()
         logger.info(
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
             "(max_model_len %d); backends %s",
@@ -260,11 +260,40 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that made progress."""
+        return self.step_with_stats()[0]
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], StepStats]:
+        """:meth:`step`, plus a :class:`~minivllm.outputs.StepStats` record of what it did."""
         with record_function("schedule"):
             scheduler_output = self.scheduler.schedule()
-        self.last_scheduler_output = scheduler_output  # for stats, tutorials and tests
-        if scheduler_output.is_empty:
-            return []
+        # Which chunks are decodes is known only before the step advances the requests.
+        decode_ids = frozenset(
+            r.request_id for r in scheduler_output.scheduled_requests
+            if scheduler_output.num_scheduled_tokens[r.request_id] == 1
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        )
+        outputs: list[RequestOutput] = []
+        finished_ids: list[str] = []
+        if not scheduler_output.is_empty:
+            outputs = self._run_step(scheduler_output)
+            finished_ids = [o.request_id for o in outputs if o.finished]
+        stats = StepStats(
+            step=next(self._step_index),
+            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            decode_req_ids=decode_ids,
+            preempted_req_ids=tuple(scheduler_output.preempted_req_ids),
+            finished_req_ids=tuple(finished_ids),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=self.cache_config.num_blocks,
+            num_free_blocks=self.scheduler.num_free_blocks,
+            num_prefix_cache_queries=scheduler_output.num_prefix_cache_queries,
+            num_prefix_cache_hits=scheduler_output.num_prefix_cache_hits,
+        )
+        return outputs, stats
+
+    def _run_step(self, scheduler_output) -> list[RequestOutput]:
+        """Prepare inputs, run the model, sample and detokenize one scheduled batch."""
         with record_function("prepare_inputs"):
             model_input, sampling_reqs = self.runner.prepare_inputs(
                 scheduler_output, self.scheduler.block_tables

@@ -12,8 +12,6 @@ finished :class:`~minivllm.metadata.ModelInput` to the other ranks.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from minivllm import backend
@@ -72,19 +70,14 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)  # (T,)
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # (T,)
-        cu_counts = [0, *itertools.accumulate(counts)]
-        query_start_loc = torch.tensor(cu_counts, dtype=torch.int32, device=dev)  # (S + 1,)
-        seq_lens = torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32,
-                                device=dev)  # (S,)
-
-        attn_metadata = AttentionMetadata(
-            slot_mapping=block_tables.slot_mapping(req_ids, starts, counts),
+        attn_metadata = AttentionMetadata.build(
+            query_lens=counts,
+            seq_lens=[s + n for s, n in zip(starts, counts)],
             block_tables=block_tables.block_table_tensor(req_ids),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            max_query_len=max(counts),
-            max_seq_len=max(s + n for s, n in zip(starts, counts)),
+            slot_mapping=block_tables.slot_mapping(req_ids, starts, counts),
+            device=dev,
         )
+        cu_counts = attn_metadata.query_start_loc_host
         sampling = [i for i, (r, s, n) in enumerate(zip(reqs, starts, counts))
                     if s + n == r.num_tokens]
         # The last scheduled token of each sampling request: its logits predict the next.

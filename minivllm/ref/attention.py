@@ -104,8 +104,8 @@ def _plan(metadata: AttentionMetadata) -> list[_Work]:
     if _last_plan is not None and _last_plan[0]() is metadata:
         return _last_plan[1]
     dev = metadata.seq_lens.device
-    qsl = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
+    qsl = metadata.query_start_loc_host
+    seq_lens = metadata.seq_lens_host
     query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
     plan = []
 

@@ -160,6 +160,7 @@ class Scheduler:
         scheduled_new: list[Request] = []
         num_scheduled_tokens: dict[str, int] = {}
         preempted_req_ids: list[str] = []
+        num_cache_queries = num_cache_hits = 0
 
         # 1. Running requests, in order.
         req_index = 0
@@ -205,6 +206,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
+            num_cache_queries += request.num_tokens
+            num_cache_hits += num_computed_tokens
             scheduled_new.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -215,6 +218,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             preempted_req_ids=preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
+            num_prefix_cache_queries=num_cache_queries,
+            num_prefix_cache_hits=num_cache_hits,
         )
         self.finished_req_ids = []
         return output
