@@ -52,7 +52,6 @@ from minivllm.metadata import AttentionMetadata
 from minivllm.model.rope import get_rope, rope_params_from_config
 
 
-
 def op_range(name: str) -> AbstractContextManager:
     """A profiler range called ``name`` while a torch profiler records; otherwise a no-op.
 
