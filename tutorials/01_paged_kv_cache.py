@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed: figures are saved as PNGs
 import matplotlib.pyplot as plt
 import numpy as np
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm import SamplingParams
 from minivllm.config import CacheConfig, SchedulerConfig
@@ -87,7 +88,7 @@ ax2.bar(["contiguous", "paged (16)"], [fit_contiguous, fit_paged], color=["tab:r
 ax2.set_ylabel("requests running at once")
 ax2.set_title(f"batch size that fits in {budget // 1024}k slots")
 fig.tight_layout()
-fig.savefig("01_paged_kv_cache_waste.png", dpi=110)
+fig.savefig(figure_path("01_paged_kv_cache_waste.png"), dpi=110)
 print("saved 01_paged_kv_cache_waste.png")
 
 # %% [markdown]
@@ -197,7 +198,7 @@ draw_block_tables(ax, sched, ["A", "B"], 10)
 ax.set_title("block tables (top) pointing into the block pool (bottom); "
              "purple = shared prefix block")
 fig.tight_layout()
-fig.savefig("01_paged_kv_cache_prefix.png", dpi=110)
+fig.savefig(figure_path("01_paged_kv_cache_prefix.png"), dpi=110)
 print("saved 01_paged_kv_cache_prefix.png")
 
 # %% [markdown]
@@ -278,7 +279,7 @@ ax.set_xlabel("step")
 ax.legend(fontsize=8, loc="upper right")
 ax.set_title("continuous batching: budget use and pool pressure")
 fig.tight_layout()
-fig.savefig("01_paged_kv_cache_steps.png", dpi=110)
+fig.savefig(figure_path("01_paged_kv_cache_steps.png"), dpi=110)
 print("saved 01_paged_kv_cache_steps.png")
 assert any(preempted), "the demo is meant to show a preemption"
 assert math.isclose(sched.num_free_blocks, 14)  # everything returned to the pool

@@ -36,6 +36,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm.fast import attention as fast_attention
 from minivllm.fast.attention_decode import paged_decode_attention
@@ -209,7 +210,7 @@ ax2.set_ylabel("merge weight (head 0)")
 ax2.set_title("log-sum-exp merge weights")
 ax2.legend()
 fig.tight_layout()
-fig.savefig("04_flash_decoding.png", dpi=110)
+fig.savefig(figure_path("04_flash_decoding.png"), dpi=110)
 print("saved 04_flash_decoding.png")
 
 # %% [markdown]

@@ -33,6 +33,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from _figures import figure_path  # tutorials/figures/, ignored by git
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.fast import layernorm as fast_layernorm
@@ -181,7 +182,7 @@ ax2.set_ylabel("ms")
 ax2.set_title(f"{tokens} tokens, bf16, on {device}")
 ax2.legend(fontsize=8)
 fig.tight_layout()
-fig.savefig("05_kernel_fusion.png", dpi=110)
+fig.savefig(figure_path("05_kernel_fusion.png"), dpi=110)
 print("saved 05_kernel_fusion.png")
 
 # %% [markdown]

@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm.ref import linear as ref_linear
 
@@ -173,7 +174,7 @@ for (_, y0, _), (_, y1, _) in zip(steps, steps[1:]):
     ax.annotate("", xy=(5, y1 + 0.4), xytext=(5, y0 - 0.4), arrowprops=dict(arrowstyle="->"))
 ax.set_title("one decoder layer: 2 all-reduces, nothing else")
 fig.tight_layout()
-fig.savefig("06_tensor_parallel.png", dpi=110)
+fig.savefig(figure_path("06_tensor_parallel.png"), dpi=110)
 print("saved 06_tensor_parallel.png")
 
 # %% [markdown]
