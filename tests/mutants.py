@@ -1,9 +1,9 @@
 """Planted bugs for the state machines (a test helper, not a test module).
 
 Each mutant is a realistic one-line bug in the ref, the kind a student or a
-refactor introduces. ``test_block_allocator.py`` and ``test_scheduler.py`` run
-their machines against each mutant under the loaded profile (derandomised in
-CI) and expect a failure: that is the proof that the machines reach shared
+refactor introduces. ``test_mutants.py`` runs the allocator and scheduler
+state machines against each mutant with the CI search (derandomised) and
+expects a failure: that is the proof that the machines reach shared
 blocks, preemption and equal blocks under different parents, instead of
 passing by luck. Shrinking is off (:data:`FIND_ONLY`), so each finishes in
 seconds.

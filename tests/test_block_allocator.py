@@ -5,8 +5,8 @@ allocations, frees, cache fills, cache look-ups and resets, and checks after
 every step that they made the same decisions and that the pool is consistent
 with an explicit list of owners (an oracle independent of the ref). Rules that
 cache a request's whole chain and share it with another request make blocks
-with ref counts above 1 common, and the machine is run against a planted bug
-(``tests/mutants.py``) to prove it finds what it should. Example tests pin the
+with ref counts above 1 common; ``test_mutants.py`` runs the machine against a
+planted bug to prove it finds what it should. Example tests pin the
 prefix-cache rules.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import mutants
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -26,7 +25,6 @@ from hypothesis.stateful import (
     multiple,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from minivllm import backend
@@ -174,19 +172,6 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = stateful_settings(max_examples=100, step_count=50)
-
-
-def _run_machine() -> None:
-    run_state_machine_as_test(
-        AllocatorMachine, settings=mutants.find_only(TestAllocatorMachine.settings)
-    )
-
-
-def test_machine_catches_free_that_drops_shared_blocks():
-    """A free() that zeroes a shared block's ref count: found without luck (see mutants.py)."""
-    with backend.use_backend({"block_allocator": "mutants"}):
-        with pytest.raises((AssertionError, ValueError)):
-            _run_machine()
 
 
 # -- example tests: the prefix-cache rules -------------------------------------------------
