@@ -57,7 +57,7 @@ def op_range(name: str) -> AbstractContextManager:
 
     ``record_function`` costs about 7 µs even when nothing records (measured on
     the 2-core development machine), i.e. ~2 ms per step for 30 layers with
-    ten ranges each. Asking the profiler whether it is on costs about 0.3 µs, so
+    ten ranges each. Asking the profiler whether it is on costs 0.3-1 µs, so
     the ranges follow the profiler itself: no flag for anyone to flip.
     """
     if torch._C._autograd._profiler_enabled():
