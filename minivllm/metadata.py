@@ -35,9 +35,10 @@ class SchedulerOutput:
             ``update_from_output``, after the forward pass).
         total_num_scheduled_tokens: sum of ``num_scheduled_tokens``.
         preempted_req_ids: requests preempted this step (blocks freed, sent
-            back to the front of the waiting queue).
+            back to the front of the waiting queue; the workers drop their rows,
+            and give them new ones when they are admitted again).
         finished_req_ids: requests that finished or were aborted since the
-            last step (the model runner drops their per-request state).
+            last step (the workers drop their block-table rows).
         new_req_ids: the scheduled requests admitted this step (new, or
             resumed after a preemption): the worker gives each a new row in
             its block table.
