@@ -15,13 +15,18 @@ import pytest
 from minivllm import backend
 
 
-def _public_api(mod: types.ModuleType) -> dict[str, object]:
-    """Public functions and classes *defined* in ``mod`` (not imported into it)."""
+def _public_api(mod: types.ModuleType, also_from: str | None = None) -> dict[str, object]:
+    """Public functions and classes *defined* in ``mod`` (not imported into it).
+
+    ``also_from``: a module whose definitions count as ``mod``'s too (a fast
+    twin re-exports what it takes from the ref unchanged).
+    """
     names = getattr(mod, "__all__", None)
     if names is None:
+        owners = {mod.__name__, also_from}
         names = [n for n, obj in vars(mod).items()
                  if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
-                 and getattr(obj, "__module__", None) == mod.__name__]
+                 and getattr(obj, "__module__", None) in owners]
     return {n: getattr(mod, n) for n in names}
 
 
@@ -43,12 +48,28 @@ def _signature(obj: object) -> dict[str, str]:
 def test_twins_expose_the_same_api(component: str) -> None:
     ref = importlib.import_module(f"minivllm.ref.{component}")
     fast = importlib.import_module(f"minivllm.fast.{component}")
-    ref_api, fast_api = _public_api(ref), _public_api(fast)
+    ref_api, fast_api = _public_api(ref), _public_api(fast, also_from=ref.__name__)
     assert sorted(ref_api) == sorted(fast_api), f"{component}: public names differ"
     for name in ref_api:
         assert _signature(ref_api[name]) == _signature(fast_api[name]), (
             f"{component}.{name}: signatures differ"
         )
+
+
+def test_every_twin_pair_is_a_registered_component() -> None:
+    """A module in both ref/ and fast/ is a component (so the test above covers it); a
+    fast-only module is a helper of one, named ``<component>_<part>``."""
+    import pkgutil
+
+    import minivllm.fast
+    import minivllm.ref
+
+    ref = {m.name for m in pkgutil.iter_modules(minivllm.ref.__path__)}
+    fast = {m.name for m in pkgutil.iter_modules(minivllm.fast.__path__)}
+    assert ref == set(backend.COMPONENTS), "every ref module is a registered component"
+    for name in fast - ref:
+        assert any(name.startswith(f"{c}_") for c in backend.COMPONENTS), (
+            f"minivllm/fast/{name}.py has no ref twin and is no component's helper")
 
 
 def test_global_and_context_manager() -> None:
