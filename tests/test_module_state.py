@@ -26,8 +26,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("distributed.py", "_TP_SIZE"): "the tensor-parallel world size",
     ("distributed.py", "_CPU_GROUP"): "the gloo group for host-side collectives",
     ("distributed.py", "_CONTROL_GROUP"): "the group workers wait on for commands",
-    ("distributed.py", "_TIMING"): "collective timing switch of the group's statistics "
-                                   "(enable_collective_timing, python -m minivllm.bench tp)",
 }
 
 #: Files another change rewrites; an exemption here is temporary.
