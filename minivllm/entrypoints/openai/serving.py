@@ -166,9 +166,9 @@ class OpenAIServing:
                                   "logprobs": None, "finish_reason": None}
                                  for i in range(len(streams))]))
             async for i, d in merge(self.llm, streams):
+                # One chunk per engine step, even when its text is held back
+                # (a possible stop string) or incomplete: clients can count tokens.
                 num_out[i] = d.num_output_tokens
-                if not d.text and not d.finished and d.logprobs is None:
-                    continue  # held-back text (a possible stop string): nothing to send
                 lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
                 body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
                 yield sse(chunk([{"index": i, **body, "logprobs": lp,
