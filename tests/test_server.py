@@ -368,3 +368,14 @@ def test_smollm2_disconnect_mid_stream_frees_the_kv_pool(smol) -> None:
     assert m["minivllm:num_requests_running"] == 0, m
     assert m["minivllm:kv_cache_usage_perc"] == 0, m
     assert m["minivllm:generation_tokens_total"] < 500  # aborted, not run to the end
+
+
+def test_serve_help_documents_the_server_flags(capsys) -> None:
+    from minivllm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--api-key", "--max-waiting-requests", "127.0.0.1"):
+        assert flag in out

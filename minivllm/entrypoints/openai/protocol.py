@@ -14,6 +14,7 @@ becomes a 400 through :class:`APIError`.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,8 +32,9 @@ class APIError(Exception):
     503 (overloaded), 500 (the engine failed).
     """
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error",
-             404: "not_found_error", 503: "service_unavailable", 500: "internal_error"}
+    TYPES = MappingProxyType({400: "invalid_request_error", 401: "authentication_error",
+                              404: "not_found_error", 503: "service_unavailable",
+                              500: "internal_error"})
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
