@@ -20,16 +20,27 @@ import time
 
 import torch
 
-from minivllm import backend
+from minivllm.backend import COMPONENTS
 
 
 def server_backend(spec: str) -> str:
-    """The backend a server under test runs: the one under test, except that on a
-    CPU the fast Triton kernels would run in the (very slow) interpreter, so
-    ``fast`` becomes ``auto`` there (fast host-side components, ref kernels)."""
-    if spec == "fast" and not torch.cuda.is_available():
-        return "auto"
-    return spec if isinstance(spec, str) else backend.get_backend()
+    """The backend a server under test runs (always on the CPU, see ServerProcess).
+
+    The one under test, except that the fast Triton kernels would run in the
+    (very slow) interpreter there, so ``fast`` becomes ``auto``: fast host-side
+    components, ref kernels.
+    """
+    return "auto" if spec == "fast" else spec
+
+
+def offline_backend(spec: str):
+    """The same implementations as :func:`server_backend`, for an in-process oracle
+    on the CPU: on a machine with CUDA, ``auto`` would pick the Triton kernels,
+    which cannot take CPU tensors, so kernels are pinned to ref there."""
+    spec = server_backend(spec)
+    if spec != "auto" or not torch.cuda.is_available():
+        return spec
+    return {name: ("ref" if kind == "kernel" else "fast") for name, kind in COMPONENTS.items()}
 
 
 def children(pid: int) -> list[int]:
@@ -86,8 +97,10 @@ class ServerProcess:
     def __init__(self, model: str, *args: str, timeout_s: float = 180.0) -> None:
         cmd = [sys.executable, "-m", "minivllm.cli", "serve", model, "--host", "127.0.0.1",
                "--port", "0", "--device", "cpu", *args]
+        # CUDA hidden: the server runs on the CPU, where "auto" means ref kernels.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_utils import server_backend
+from server_utils import offline_backend
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, held_back
@@ -17,11 +17,11 @@ from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 
 
 @pytest.fixture
-def spec(request) -> str:
-    return server_backend(request.config.getoption("--backend"))
+def spec(request):
+    return offline_backend(request.config.getoption("--backend"))
 
 
-def make(path, spec: str, **kw) -> LLMEngine:
+def make(path, spec, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), backend=spec, device="cpu",
                                   max_model_len=256, **kw))
 

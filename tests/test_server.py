@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, alive, server_backend
+from server_utils import ServerProcess, alive, offline_backend, server_backend
 
 from minivllm import LLM, SamplingParams
 
@@ -38,7 +38,7 @@ def tiny(tiny_model_dir, spec):
     path = str(tiny_model_dir("llama"))
     server = ServerProcess(path, "--backend", spec, "--max-model-len", str(MAX_MODEL_LEN),
                            "--api-key", KEY, "--served-model-name", "tiny")
-    llm = LLM(path, backend=spec, device="cpu", max_model_len=MAX_MODEL_LEN)
+    llm = LLM(path, backend=offline_backend(spec), device="cpu", max_model_len=MAX_MODEL_LEN)
     try:
         yield server, llm
     finally:
@@ -295,7 +295,8 @@ def _model(server) -> str:
 def smol(smollm2_dir, spec):
     server = ServerProcess(str(smollm2_dir), "--backend", spec, "--max-model-len", "1024",
                            "--served-model-name", "smollm2")
-    llm = LLM(str(smollm2_dir), backend=spec, device="cpu", max_model_len=1024)
+    llm = LLM(str(smollm2_dir), backend=offline_backend(spec), device="cpu",
+              max_model_len=1024)
     try:
         yield server, llm
     finally:
