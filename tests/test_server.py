@@ -370,6 +370,19 @@ def test_smollm2_disconnect_mid_stream_frees_the_kv_pool(smol) -> None:
     assert m["minivllm:kv_cache_usage_perc"] == 0, m
     assert m["minivllm:generation_tokens_total"] < 500  # aborted, not run to the end
 
+    # A non-streamed request whose client gives up (times out) is aborted too.
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=3) as h:
+        h.post(f"{server.base_url}/v1/completions", json=body)
+    deadline = time.monotonic() + 30
+    while (metrics(server, key=None)["minivllm:num_requests_running"] or
+           metrics(server, key=None)["minivllm:kv_cache_usage_perc"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    m2 = metrics(server, key=None)
+    assert m2["minivllm:num_requests_running"] == 0 and m2["minivllm:kv_cache_usage_perc"] == 0
+    assert m2["minivllm:generation_tokens_total"] - m["minivllm:generation_tokens_total"] < 500
+
 
 def test_serve_help_documents_the_server_flags(capsys) -> None:
     from minivllm.cli import main

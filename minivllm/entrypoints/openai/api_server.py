@@ -22,6 +22,7 @@ in constant time).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import socket
@@ -60,6 +61,30 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+async def cancel_on_disconnect(request: Request, work):
+    """Await ``work``, unless the client hangs up first: then cancel it.
+
+    A non-streamed completion is awaited whole before anything is sent, so
+    without this a client that gave up would still cost its full generation.
+    Cancelling runs the ``finally`` blocks that abort its engine requests.
+    """
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return task.result()
 
 
 def _validation_message(e: RequestValidationError) -> str:
@@ -107,17 +132,20 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
                             status_code=e.status_code)
 
     async def respond(result) -> Response:
+        if isinstance(result, Response):
+            return result
         if isinstance(result, dict):
             return JSONResponse(result)
         return SSEResponse(result)
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(req: CompletionRequest) -> Response:
-        return await respond(await serving.create_completion(req))
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await respond(await cancel_on_disconnect(raw, serving.create_completion(req)))
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
-        return await respond(await serving.create_chat_completion(req))
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await respond(
+            await cancel_on_disconnect(raw, serving.create_chat_completion(req)))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
