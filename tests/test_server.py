@@ -140,6 +140,30 @@ def test_stop_strings_cut_the_text_streamed_or_not(tiny) -> None:
     assert streamed[-1].finish_reason == "stop"
 
 
+def test_logprobs_match_the_offline_engine_streamed_or_not(tiny) -> None:
+    server, llm = tiny
+    c = client(server)
+    want = offline(llm, PROMPTS[2], temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    want_lp = [d[t].logprob for d, t in zip(want.outputs[0].logprobs,
+                                            want.outputs[0].token_ids)]
+    kw = dict(model="tiny", prompt=PROMPTS[2], temperature=0, max_tokens=6, logprobs=2,
+              extra_body={"ignore_eos": True})
+    full = c.completions.create(**kw).choices[0].logprobs
+    assert full.token_logprobs == pytest.approx(want_lp, abs=1e-4)
+    # Keyed by token text (OpenAI's format): two byte tokens may both decode to U+FFFD.
+    assert all(1 <= len(top) <= 2 for top in full.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert [max(top.values()) for top in full.top_logprobs] == pytest.approx(want_lp, abs=1e-4)
+    streamed = [lp for ch in c.completions.create(stream=True, **kw)
+                for lp in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs
+                           else [])]
+    assert streamed == pytest.approx(want_lp, abs=1e-4)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                     max_tokens=4, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+
+
 BAD = [  # (request fields, status, a word the message must contain)
     (dict(top_p=2.0), 400, "top_p"),
     (dict(temperature=-1), 400, "temperature"),

@@ -139,9 +139,12 @@ class RequestStream:
         end = len(comp.text) if out.finished else len(comp.text) - held_back(comp.text, self.stop)
         text = comp.text[self.num_text_sent:end]
         self.num_text_sent = max(self.num_text_sent, end)
-        new_ids = comp.token_ids[self.num_tokens_sent:]
-        logprobs = None if comp.logprobs is None else comp.logprobs[self.num_tokens_sent:]
-        self.num_tokens_sent = len(comp.token_ids)
+        sent, now = self.num_tokens_sent, len(comp.token_ids)
+        # token_ids is a copy per step, but the engine keeps appending to the
+        # logprobs list it shares with every output: cut it at this step's length.
+        logprobs = None if comp.logprobs is None else comp.logprobs[sent:now]
+        new_ids = comp.token_ids[sent:now]
+        self.num_tokens_sent = now
         return StreamDelta(out.request_id, text, new_ids, logprobs, out.finished,
                            comp.finish_reason, comp.stop_reason, out)
 

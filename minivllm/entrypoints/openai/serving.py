@@ -205,7 +205,16 @@ class OpenAIServing:
             offsets.append(pos)
             pos += len(t)
         return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-                "top_logprobs": [dict(top) for _, _, top in rows], "text_offset": offsets}
+                "top_logprobs": [_by_text(top) for _, _, top in rows], "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """``{text: logprob}``, most likely first; where two tokens decode to the same
+    text (e.g. two halves of a character, both U+FFFD) the likelier one is kept."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
 
 
 class Kind:
