@@ -6,25 +6,27 @@ at the same time. A server, on the other hand, receives requests at any moment
 on an asyncio event loop. vLLM's ``AsyncLLM`` bridges the two; this is the same
 design, readable in one file::
 
-    event loop (HTTP handlers)              engine thread (one, owns LLMEngine)
-    ------------------------------          ------------------------------------
-    generate() -> add_request   ----------> engine.add_request(...)
-    _run_loop: while work:
-        step  ------------------------------> engine.abort_request(aborted)
-                                              engine.step_with_stats()
-        <------ outputs, StepStats ----------
-        put each output in its request's asyncio.Queue
+    event loop (HTTP handlers)                 engine thread (the only one touching LLMEngine)
+    -------------------------------            -----------------------------------------------
+    add_request() --("add", ...)--> inbox ---> while True:
+    abort()       --("abort", ...)-> inbox         apply every command in the inbox
+                                                   if anything is unfinished:
+    _dispatch(outputs, stats) <-------------------     outputs, stats = engine.step_with_stats()
+      put each output in its request's queue       (sleep on the inbox when idle)
     generate() yields StreamDelta s from its queue
 
-Every engine call goes through ONE single-thread executor, so they are
-serialised without a lock, and the event loop never blocks on a model step.
+The engine thread steps back to back, as vLLM's ``EngineCore`` busy loop
+does: it never waits for the event loop between steps, so serving adds no
+hand-off to a step (which matters on a busy CPU, where every thread wake-up
+may wait for a time slice). Commands and outputs cross between the threads
+only through the inbox (a thread-safe queue) and ``call_soon_threadsafe``.
 
 - **Deltas.** Each output carries the text added since the last one. Text that
   may still turn into a stop string is held back (as the detokenizer does for
   the chat REPL), so concatenating the deltas gives exactly the final text.
 - **Abort.** ``abort(request_id)`` (or a consumer that stops iterating, e.g. a
-  client that hung up) queues the id; the next engine call frees its KV blocks,
-  before any further step runs.
+  client that hung up) sends the id to the engine thread, which frees its KV
+  blocks before its next step.
 - **Failure.** If a step raises (a tensor-parallel worker died, a kernel
   failed), every waiting request receives :class:`EngineDeadError` and new
   requests are refused with it: nobody waits forever.
@@ -37,9 +39,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
@@ -178,13 +181,13 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self.last_stats: StepStats | None = None
         self.error: EngineDeadError | None = None
-        # One thread, so every engine call is serialised (LLMEngine is not thread-safe).
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-engine")
+        # Event-loop side: the streams of the requests in flight.
         self._streams: dict[str, RequestStream] = {}
-        self._aborts: list[str] = []
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
+        # Between the threads: commands in, outputs out through call_soon_threadsafe.
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLM:
@@ -239,7 +242,7 @@ class AsyncLLM:
                 f"the server is full: {self.num_in_flight} requests in flight (at most "
                 f"{self.max_requests}); retry later or raise --max-waiting-requests"
             )
-        self._ensure_loop()
+        self._ensure_thread()
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -248,71 +251,90 @@ class AsyncLLM:
         # Registered before the engine sees it, so the next step's output finds it.
         self._streams[request_id] = stream
         try:
-            await self._call(self.engine.add_request, text, list(ids), sampling_params,
-                             request_id)
+            await self._send("add", (text, list(ids), sampling_params, request_id))
         except BaseException:
-            self._streams.pop(request_id, None)
+            # A bad prompt (ValueError), or the caller was cancelled meanwhile: in
+            # that case the engine may have queued it, so abort it to be sure.
+            self._abort_soon(request_id)
             raise
-        self._wake.set()
         return stream
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; return once they are free."""
-        self._abort_soon(request_id)
-        ids, self._aborts = self._aborts, []  # lists move only on the event loop
-        await self._call(self.engine.abort_request, ids)
+        self._streams.pop(request_id, None)
+        if self._thread is not None:
+            await self._send("abort", [request_id])
 
     async def shutdown(self) -> None:
-        """Stop the loop, fail what is still in flight, stop the engine's workers."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-            self._loop_task = None
-        self._fail_all(EngineDeadError("the engine was shut down"))
-        await self._call(self.engine.shutdown)
-        self._thread.shutdown(wait=True)
+        """Stop the engine thread, fail what is still in flight, stop the engine's workers."""
+        if self._thread is not None:
+            self._inbox.put(("stop", None, None))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        if self.error is None:
+            self._fail_all(EngineDeadError("the engine was shut down"))
+        await asyncio.to_thread(self.engine.shutdown)
 
-    # -- the loop ---------------------------------------------------------------
+    # -- the two threads ----------------------------------------------------------
 
-    async def _call(self, fn, *args):
-        """Run ``fn(*args)`` on the engine thread, after every call queued before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._engine_loop, name="minivllm-engine",
+                                            daemon=True)
+            self._thread.start()
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None:
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+    async def _send(self, kind: str, arg) -> None:
+        """Send a command to the engine thread; wait until it is applied (or raises)."""
+        done = self._loop.create_future()
+        self._inbox.put((kind, arg, done))
+        await done
 
     def _abort_soon(self, request_id: str) -> None:
-        """Forget the request now; the engine frees its blocks before its next step."""
-        if self._streams.pop(request_id, None) is not None:
-            self._aborts.append(request_id)
-            if self._wake is not None:
-                self._wake.set()
+        """Forget the request now; the engine thread frees its blocks before its next step."""
+        self._streams.pop(request_id, None)
+        if self._thread is not None:
+            self._inbox.put(("abort", [request_id], None))
 
-    def _step(self, aborts: list[str]) -> tuple[list[RequestOutput], StepStats]:
-        """(engine thread) free aborted requests, then run one engine step."""
-        if aborts:
-            self.engine.abort_request(aborts)
-        # With nothing left to run this is a cheap empty step whose StepStats
-        # still report the pool (e.g. fully free right after a disconnect).
-        return self.engine.step_with_stats()
-
-    async def _run_loop(self) -> None:
-        """Step while any request is in flight (or an abort is pending); else sleep."""
+    def _engine_loop(self) -> None:
+        """(engine thread) Apply the commands, step while there is work, hand the outputs
+        to the event loop; sleep on the inbox when idle. Runs until ``"stop"``."""
+        error: EngineDeadError | None = None
+        refresh = False  # an abort happened: step once, so the stats show the freed blocks
         while True:
-            if not self._streams and not self._aborts:
-                self._wake.clear()
-                await self._wake.wait()
+            busy = error is None and (refresh or self.engine.has_unfinished_requests())
+            commands = [] if busy else [self._inbox.get()]  # block only when idle
+            while not self._inbox.empty():
+                commands.append(self._inbox.get())
+            for kind, arg, done in commands:
+                if kind == "stop":
+                    return
+                refresh |= self._apply(kind, arg, done, error)
+            if error is not None or not (refresh or self.engine.has_unfinished_requests()):
                 continue
-            aborts, self._aborts = self._aborts, []
+            refresh = False
             try:
-                outputs, stats = await self._call(self._step, aborts)
+                outputs, stats = self.engine.step_with_stats()
             except Exception as e:
                 logger.exception("minivllm: the engine loop failed")
-                self._fail_all(EngineDeadError(f"the engine failed: {e}"))
-                return
-            self._dispatch(outputs, stats)
+                error = EngineDeadError(f"the engine failed: {e}")
+                self._loop.call_soon_threadsafe(self._fail_all, error)
+                continue
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats)
+
+    def _apply(self, kind: str, arg, done, error: EngineDeadError | None) -> bool:
+        """(engine thread) Run one command; report to its future. True after an abort."""
+        exc: BaseException | None = error if kind == "add" else None
+        try:
+            if kind == "add" and error is None:
+                self.engine.add_request(*arg)
+            elif kind == "abort" and error is None:
+                self.engine.abort_request(arg)
+        except Exception as e:  # a bad prompt: ValueError for the caller
+            exc = e
+        if done is not None:
+            self._loop.call_soon_threadsafe(_resolve, done, exc)
+        return kind == "abort"
 
     def _dispatch(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         """Hand each output to its request's queue; record timings for the loggers."""
@@ -347,3 +369,12 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
         self._streams.clear()
+
+
+def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+    """(event loop) Finish a command's future, unless its caller gave up waiting."""
+    if not future.done():
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
