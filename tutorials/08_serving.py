@@ -34,6 +34,7 @@ import matplotlib
 matplotlib.use("Agg")  # no window: the figures are saved as PNGs
 import matplotlib.pyplot as plt
 import openai
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm import LLM
 from minivllm.bench.serve import run_pass
@@ -103,7 +104,7 @@ b.plot(rates, [s["output_throughput"] for s in by_rate], "o-")
 b.set(xscale="log", xlabel="request rate (req/s)", ylabel="output tokens / s",
       title="throughput saturates")
 fig.tight_layout()
-fig.savefig("08_serving_rate.png", dpi=110)
+fig.savefig(figure_path("08_serving_rate.png"), dpi=110)
 
 # %% [markdown]
 # At a low rate each request finds the engine idle: TTFT is one prefill and
@@ -145,7 +146,7 @@ for budget, s in zip(budgets, by_budget):
 ax.set(xlabel="p99 inter-token latency (ms)", ylabel="mean TTFT (ms)",
        title="chunked prefill: ITL against TTFT at 4 req/s")
 fig.tight_layout()
-fig.savefig("08_serving_chunked_prefill.png", dpi=110)
+fig.savefig(figure_path("08_serving_chunked_prefill.png"), dpi=110)
 
 # %% [markdown]
 # Things to notice:
