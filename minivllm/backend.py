@@ -15,7 +15,12 @@ A *backend spec* says which implementation to use:
 - ``"ref"`` / ``"fast"``: every component from that package.
 - ``"auto"``: fast where it runs natively, ref otherwise. Host-side components
   (allocator, block tables, scheduler) are plain Python/torch and always run
-  fast; kernel components need Triton on a CUDA device.
+  fast. Kernel components are fast on CUDA with Triton, and on a CPU where the
+  C++ ops (``minivllm/fast/csrc``, built on first use) compiled.
+  ``fast`` means the best native kernels for the tensor's device: the Triton
+  kernels on CUDA, the C++ ops on a CPU. ``"minivllm.fast.triton"`` and
+  ``"minivllm.fast.cpu"`` (import paths, below) pick one of the two
+  explicitly, e.g. the Triton kernels on a CPU in Triton's interpreter.
 - an import path such as ``"mypkg.my_kernels"``: a package or module that
   provides *some* components, as submodules or attributes named after them
   (``mypkg.my_kernels.attention``). Those override the default; the others
@@ -40,7 +45,7 @@ from collections.abc import Iterator, Mapping
 
 #: Every component of the engine, in data-flow order. ``kind`` says whether a
 #: component is host-side Python (runs anywhere) or a device kernel (its fast
-#: twin is a Triton kernel that needs CUDA, or Triton's interpreter on a CPU).
+#: twin is a Triton kernel on CUDA and a C++ op on a CPU).
 COMPONENTS: dict[str, str] = {
     "block_allocator": "host",
     "block_table": "host",
@@ -129,6 +134,27 @@ def fast_kernels_native() -> bool:
     return triton_available() and torch.cuda.is_available()
 
 
+def cpu_kernels_available() -> bool:
+    """True if the C++ CPU ops built and loaded (the first call builds them)."""
+    from minivllm.fast import cpu_ops
+
+    return cpu_ops.available()
+
+
+def _fast_kernels_missing() -> str | None:
+    """Why the fast kernel twins cannot run on this machine's device, or None if they can.
+
+    With CUDA they need Triton; on a CPU, the C++ ops.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return None if triton_available() else "Triton is not installed"
+    if cpu_kernels_available():
+        return None
+    return "the C++ CPU kernels did not build (see the warning above)"
+
+
 def _import_component(package: str, name: str) -> types.ModuleType | None:
     """``package.name`` as a submodule or attribute, or None if it has none."""
     key = (package, name)
@@ -167,7 +193,7 @@ def resolve(name: str, spec: BackendSpec | None = None) -> str:
         if isinstance(spec, Mapping):
             spec = "ref"
     if spec == "auto":
-        if COMPONENTS[name] == "host" or fast_kernels_native():
+        if COMPONENTS[name] == "host" or _fast_kernels_missing() is None:
             return "fast"
         return "ref"
     return spec
@@ -176,22 +202,19 @@ def resolve(name: str, spec: BackendSpec | None = None) -> str:
 def get(name: str, spec: BackendSpec | None = None) -> types.ModuleType:
     """The module implementing component ``name`` under ``spec`` (default: global).
 
-    ``fast`` kernels need Triton. Without a CUDA device they run only in
-    Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
-    imported, as ``pytest --backend=fast`` does); otherwise the ref twin is used
-    and a warning says so.
+    ``fast`` kernels run natively: Triton on CUDA, the C++ ops on a CPU. If
+    they cannot (no Triton with CUDA; the C++ build failed on a CPU), the ref
+    twin is used and one warning says why. The Triton kernels on a CPU, in
+    Triton's interpreter, are the import path ``minivllm.fast.triton``.
     """
     impl = resolve(name, spec)
     if impl == "ref":
         return _import_component("minivllm.ref", name)
     if impl == "fast":
         if COMPONENTS[name] == "kernel":
-            if not triton_available():
-                return _fallback(name, impl, "Triton is not installed")
-            if not (fast_kernels_native() or triton_interpreted()):
-                return _fallback(
-                    name, impl, "no CUDA device and TRITON_INTERPRET=1 is not set"
-                )
+            missing = _fast_kernels_missing()
+            if missing is not None:
+                return _fallback(name, impl, missing)
         mod = _import_component("minivllm.fast", name)
         return mod if mod is not None else _fallback(name, impl, "no fast twin yet")
     mod = _import_component(impl, name)
