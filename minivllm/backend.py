@@ -65,7 +65,7 @@ BackendSpec = str | Mapping[str, str]
 
 _global_spec: BackendSpec = os.environ.get("MINIVLLM_BACKEND", "auto")
 _cache: dict[tuple[str, str], types.ModuleType] = {}
-_warned: set[tuple[str, str]] = set()
+_warned: set[str] = set()
 
 
 def _check_component(name: str) -> None:
@@ -134,14 +134,7 @@ def fast_kernels_native() -> bool:
     return triton_available() and torch.cuda.is_available()
 
 
-def cpu_kernels_available() -> bool:
-    """True if the C++ CPU ops built and loaded (the first call builds them)."""
-    from minivllm.fast import cpu_ops
-
-    return cpu_ops.available()
-
-
-def _fast_kernels_missing() -> str | None:
+def fast_kernels_unavailable() -> str | None:
     """Why the fast kernel twins cannot run on this machine's device, or None if they can.
 
     With CUDA they need Triton; on a CPU, the C++ ops.
@@ -150,9 +143,10 @@ def _fast_kernels_missing() -> str | None:
 
     if torch.cuda.is_available():
         return None if triton_available() else "Triton is not installed"
-    if cpu_kernels_available():
-        return None
-    return "the C++ CPU kernels did not build (see the warning above)"
+    from minivllm.fast import cpu_ops
+
+    why = cpu_ops.unavailable_reason()  # the first call builds the ops
+    return None if why is None else f"the C++ CPU kernels are not available ({why})"
 
 
 def _import_component(package: str, name: str) -> types.ModuleType | None:
@@ -177,10 +171,16 @@ def _import_component(package: str, name: str) -> types.ModuleType | None:
     return mod
 
 
-def _fallback(name: str, wanted: str, why: str) -> types.ModuleType:
-    if (name, wanted) not in _warned:
-        _warned.add((name, wanted))
-        warnings.warn(f"minivllm: {name}: {why}; using the ref implementation", stacklevel=3)
+def _warn_once(why: str) -> None:
+    """One warning per reason, however many components it sends to the ref."""
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"minivllm: {why}; using the ref implementation",
+                      stacklevel=4)  # fmt: skip
+
+
+def _fallback(name: str, why: str) -> types.ModuleType:
+    _warn_once(why)
     return _import_component("minivllm.ref", name)
 
 
@@ -193,8 +193,13 @@ def resolve(name: str, spec: BackendSpec | None = None) -> str:
         if isinstance(spec, Mapping):
             spec = "ref"
     if spec == "auto":
-        if COMPONENTS[name] == "host" or _fast_kernels_missing() is None:
+        if COMPONENTS[name] == "host":
             return "fast"
+        why = fast_kernels_unavailable()
+        if why is None:
+            return "fast"
+        if why.startswith("the C++"):  # a CPU expected them: say why it gets the ref
+            _warn_once(why)
         return "ref"
     return spec
 
@@ -212,11 +217,11 @@ def get(name: str, spec: BackendSpec | None = None) -> types.ModuleType:
         return _import_component("minivllm.ref", name)
     if impl == "fast":
         if COMPONENTS[name] == "kernel":
-            missing = _fast_kernels_missing()
+            missing = fast_kernels_unavailable()
             if missing is not None:
-                return _fallback(name, impl, missing)
+                return _fallback(name, missing)
         mod = _import_component("minivllm.fast", name)
-        return mod if mod is not None else _fallback(name, impl, "no fast twin yet")
+        return mod if mod is not None else _fallback(name, f"{name} has no fast twin yet")
     mod = _import_component(impl, name)
     return mod if mod is not None else _import_component("minivllm.ref", name)
 

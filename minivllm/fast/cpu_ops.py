@@ -10,7 +10,7 @@ What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one pa
    implementation. Registered ops are real torch operators: the profiler names
    them, ``torch.compile`` traces through them, and Python calls them as
    ``torch.ops.minivllm.rms_norm(out, x, weight, eps)``.
-3. :func:`load` compiles the sources just in time with
+3. :func:`build` compiles the sources just in time with
    ``torch.utils.cpp_extension.load`` (ninja, the host compiler, ``-O3`` and
    the native instruction set, OpenMP for ``at::parallel_for``) into torch's
    extension cache (``$TORCH_EXTENSIONS_DIR``, default
@@ -19,9 +19,9 @@ What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one pa
    takes a minute or so and prints one line saying so; later processes reuse
    the cached library (torch rebuilds it when a source or flag changes).
    ``make setup`` builds it ahead of time (``python -m minivllm.fast.cpu_ops``).
-4. If there is no compiler, or the build fails, :func:`load` returns None and
-   warns once with the reason; :mod:`minivllm.backend` then serves the kernel
-   components from ``minivllm.ref``. Nothing crashes.
+4. If there is no compiler, or the build fails, :func:`build` returns the
+   reason instead of raising; :mod:`minivllm.backend` then serves the kernel
+   components from ``minivllm.ref`` with one warning giving that reason.
 
 The Python wrappers that allocate outputs and call these ops are in the fast
 component modules (``minivllm/fast/layernorm.py``: ``rms_norm_cpu`` ...), next
@@ -37,7 +37,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -85,14 +84,15 @@ def _is_built(build_dir: Path) -> bool:
 
 
 @functools.cache
-def load() -> str | None:
-    """Build (once per machine) and load the C++ ops; None, with one warning, if that fails.
+def build() -> tuple[str | None, str | None]:
+    """Build (once per machine) and load the C++ ops: ``(library path, None)`` or ``(None, why)``.
 
-    Returns the path of the loaded library. Cached: later calls are free.
+    Cached: later calls are free. Never raises: a missing compiler or a compile
+    error becomes the reason string, which :mod:`minivllm.backend` puts in its
+    one fallback warning.
     """
     if os.environ.get("MINIVLLM_NO_CPP", "0") == "1":
-        _warn_unavailable("MINIVLLM_NO_CPP=1 is set")
-        return None
+        return None, "MINIVLLM_NO_CPP=1 is set"
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
@@ -107,39 +107,35 @@ def load() -> str | None:
             is_python_module=False,  # a plain library: loading it runs TORCH_LIBRARY
             verbose=False,
         )
-        if fresh:
-            print(f"minivllm: built the C++ CPU kernels in {time.perf_counter() - start:.1f} s "
-                  f"(cached in {build_dir})", file=sys.stderr, flush=True)  # fmt: skip
-        return path
     except Exception as e:  # no compiler, no ninja, a compile error: fall back, never crash
-        reason = str(e).strip().splitlines()
-        _warn_unavailable(f"{type(e).__name__}: {reason[-1] if reason else ''}")
-        return None
-
-
-def _warn_unavailable(reason: str) -> None:
-    warnings.warn(
-        f"minivllm: the C++ CPU kernels are not available ({reason}); kernel components on a "
-        f"CPU use the ref implementation", stacklevel=3,
-    )  # fmt: skip
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        return None, f"{type(e).__name__}: {lines[-1] if lines else 'build failed'}"
+    if fresh:
+        print(f"minivllm: built the C++ CPU kernels in {time.perf_counter() - start:.1f} s "
+              f"(cached in {build_dir})", file=sys.stderr, flush=True)  # fmt: skip
+    return path, None
 
 
 def available() -> bool:
     """True if the C++ ops are built and loaded (builds them on first use)."""
-    return load() is not None
+    return build()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the C++ ops could not be built or loaded, or None if they were."""
+    return build()[1]
 
 
 def ops():
     """``torch.ops.minivllm``, after making sure the library is loaded."""
-    if load() is None:
-        raise RuntimeError(
-            "the minivllm C++ CPU kernels are not available (see the warning above); "
-            "use backend='ref' on a CPU"
-        )
+    path, why = build()
+    if path is None:
+        raise RuntimeError(f"the minivllm C++ CPU kernels are not available ({why}); "
+                           f"use backend='ref' on a CPU")  # fmt: skip
     return torch.ops.minivllm
 
 
 if __name__ == "__main__":  # python -m minivllm.fast.cpu_ops: build ahead of time
-    path = load()
-    print(f"minivllm C++ CPU kernels: {path or 'not available (see the warning)'}")
+    path, why = build()
+    print(f"minivllm C++ CPU kernels: {path or f'not available ({why}); the ref kernels will run'}")
     # Exit 0 either way: without the ops minivllm still runs (the ref kernels), so set-up goes on.
