@@ -89,7 +89,14 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
   const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
   const int64_t max_m = rows_per_item * group;
 
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  // A tiny batch (a few short sequences) stays on this thread; otherwise one item at a time.
+  int64_t work = 0;  // keys x query vectors x head_dim, summed over the items of one KV head
+  for (const Item& it : items) {
+    const int64_t keys = lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.row_end;
+    work += keys * (it.row_end - it.row_begin) * group * head_dim;
+  }
+  const int64_t grain = work * num_kv_heads <= GRAIN_ELEMENTS ? num_items : 1;
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     // Scratch, reused by every item this thread runs.
     std::vector<float> q_buf(max_m * head_dim), acc(max_m * head_dim);
     std::vector<float> scores(max_m * KEY_TILE), row_max(max_m), row_sum(max_m);

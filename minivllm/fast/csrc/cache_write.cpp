@@ -29,8 +29,8 @@ void cache_write_kernel(const at::Tensor& key, const at::Tensor& value,
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
   }
 
-  // A token copies a few hundred bytes: give each thread many tokens.
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+  const int64_t grain = grain_for(2 * num_kv_heads * head_dim);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // padding row

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,16 @@ namespace minivllm {
 
 // Partial sums kept side by side in a reduction: one 512-bit vector of floats.
 constexpr int LANES = 16;
+
+// Elements of work below which a loop stays on the calling thread (ATen's own
+// threshold): waking the thread pool costs more than small memory-bound loops
+// gain from it, and far more when the machine is oversubscribed.
+constexpr int64_t GRAIN_ELEMENTS = 32768;
+
+// The at::parallel_for grain for items of `per_item` elements each.
+inline int64_t grain_for(int64_t per_item) {
+  return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, per_item));
+}
 
 // Dispatch on float32 / float16 / bfloat16 (scalar_t inside the lambda).
 #define MINIVLLM_DISPATCH(TYPE, NAME, ...) \
