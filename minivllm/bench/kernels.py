@@ -378,7 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="without CUDA: run every case on tiny shapes through the Triton kernels "
                    "in Triton's interpreter (checks the benchmark code; the times mean nothing)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch and the C++ ops (default: torch's); 1 gives "
+                   "steadier numbers on a busy machine")  # fmt: skip
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if torch.cuda.is_available():
         result = run_kernels("cuda", SHAPES["full"])
     elif args.tiny:
