@@ -37,6 +37,15 @@ inline int64_t grain_for(int64_t per_item) {
 #define MINIVLLM_DISPATCH(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 
+// Sum of LANES partial sums as a tree (8 + 8, 4 + 4, ...): each step is an
+// element-wise add the compiler vectorises; a plain loop would be 16 serial adds.
+inline float reduce_lanes(float* acc) {
+  for (int width = LANES / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  }
+  return acc[0];
+}
+
 // sum_i a[i] * b[i] over n floats, with LANES independent partial sums.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc[LANES] = {0.f};
@@ -44,10 +53,8 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   for (; i + LANES <= n; i += LANES) {
     for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
   }
-  float sum = 0.f;
-  for (int l = 0; l < LANES; ++l) sum += acc[l];
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  for (int l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];  // the tail
+  return reduce_lanes(acc);
 }
 
 // sum_i x[i]^2 over n elements of any dtype, in float32.
@@ -61,19 +68,23 @@ inline float sum_of_squares(const scalar_t* __restrict x, int64_t n) {
       acc[l] += v * v;
     }
   }
-  float sum = 0.f;
-  for (int l = 0; l < LANES; ++l) sum += acc[l];
-  for (; i < n; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
-  return sum;
+  for (int l = 0; i + l < n; ++l) {  // the tail
+    const float v = static_cast<float>(x[i + l]);
+    acc[l] += v * v;
+  }
+  return reduce_lanes(acc);
 }
 
 // e^x for float32 in plain arithmetic (Cody-Waite range reduction + a degree-6
 // polynomial, relative error ~2e-7), so loops calling it vectorise; std::exp is
-// an opaque library call that keeps a loop scalar. Returns 0 for x < -87.
+// an opaque library call that keeps a loop scalar, and so are std::floor and
+// std::fmax without -ffast-math, hence the ternaries and the rounding trick.
+// Returns 0 for x <= -87 (and for -inf).
 inline float fast_exp(float x) {
-  x = std::fmax(x, -87.0f);
-  x = std::fmin(x, 88.0f);
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);  // round(x / ln 2)
+  const bool underflow = x <= -87.0f;
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // k = round(x / ln 2): adding 1.5 * 2^23 pushes the fraction bits out.
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;  // x - k ln 2
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -86,7 +97,7 @@ inline float fast_exp(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.0f ? 0.0f : p * scale;
+  return underflow ? 0.0f : p * scale;
 }
 
 // The ops, as registered in torch_bindings.cpp (schemas there).
