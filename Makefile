@@ -21,7 +21,10 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The C++ CPU kernels, compiled once into torch's extension cache (a minute or
+# two); without a compiler this prints why and minivllm uses the ref kernels.
 setup: $(VENV)/.installed
+	$(PY) -m minivllm.fast.cpu_ops
 
 model: setup
 	$(VENV)/bin/minivllm download smollm2

@@ -15,7 +15,13 @@ A *backend spec* says which implementation to use:
 - ``"ref"`` / ``"fast"``: every component from that package.
 - ``"auto"``: fast where it runs natively, ref otherwise. Host-side components
   (allocator, KV cache manager, scheduler, block tables) are plain
-  Python/torch and always run fast; kernel components need Triton on a CUDA device.
+  Python/torch and always run fast. Kernel components are fast on CUDA with
+  Triton, and on a CPU where the C++ ops (``minivllm/fast/csrc``, built on
+  first use) compiled.
+  ``fast`` means the best native kernels for the tensor's device: the Triton
+  kernels on CUDA, the C++ ops on a CPU. ``"minivllm.fast.triton"`` and
+  ``"minivllm.fast.cpu"`` (import paths, below) pick one of the two
+  explicitly, e.g. the Triton kernels on a CPU in Triton's interpreter.
 - an import path such as ``"mypkg.my_kernels"``: a package or module that
   provides *some* components, as submodules or attributes named after them
   (``mypkg.my_kernels.attention``). Those override the default; the others
@@ -40,7 +46,7 @@ from collections.abc import Iterator, Mapping
 
 #: Every component of the engine, in data-flow order. ``kind`` says whether a
 #: component is host-side Python (runs anywhere) or a device kernel (its fast
-#: twin is a Triton kernel that needs CUDA, or Triton's interpreter on a CPU).
+#: twin is a Triton kernel on CUDA and a C++ op on a CPU).
 COMPONENTS: dict[str, str] = {
     "block_allocator": "host",
     "kv_cache_manager": "host",
@@ -61,7 +67,7 @@ BackendSpec = str | Mapping[str, str]
 
 _global_spec: BackendSpec = os.environ.get("MINIVLLM_BACKEND", "auto")
 _cache: dict[tuple[str, str], types.ModuleType] = {}
-_warned: set[tuple[str, str]] = set()
+_warned: set[str] = set()
 
 
 def _check_component(name: str) -> None:
@@ -130,6 +136,21 @@ def fast_kernels_native() -> bool:
     return triton_available() and torch.cuda.is_available()
 
 
+def fast_kernels_unavailable() -> str | None:
+    """Why the fast kernel twins cannot run on this machine's device, or None if they can.
+
+    With CUDA they need Triton; on a CPU, the C++ ops.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return None if triton_available() else "Triton is not installed"
+    from minivllm.fast import cpu_ops
+
+    why = cpu_ops.unavailable_reason()  # the first call builds the ops
+    return None if why is None else f"the C++ CPU kernels are not available ({why})"
+
+
 def _import_component(package: str, name: str) -> types.ModuleType | None:
     """``package.name`` as a submodule or attribute, or None if it has none."""
     key = (package, name)
@@ -152,10 +173,16 @@ def _import_component(package: str, name: str) -> types.ModuleType | None:
     return mod
 
 
-def _fallback(name: str, wanted: str, why: str) -> types.ModuleType:
-    if (name, wanted) not in _warned:
-        _warned.add((name, wanted))
-        warnings.warn(f"minivllm: {name}: {why}; using the ref implementation", stacklevel=3)
+def _warn_once(why: str) -> None:
+    """One warning per reason, however many components it sends to the ref."""
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"minivllm: {why}; using the ref implementation",
+                      stacklevel=4)  # fmt: skip
+
+
+def _fallback(name: str, why: str) -> types.ModuleType:
+    _warn_once(why)
     return _import_component("minivllm.ref", name)
 
 
@@ -168,8 +195,13 @@ def resolve(name: str, spec: BackendSpec | None = None) -> str:
         if isinstance(spec, Mapping):
             spec = "ref"
     if spec == "auto":
-        if COMPONENTS[name] == "host" or fast_kernels_native():
+        if COMPONENTS[name] == "host":
             return "fast"
+        why = fast_kernels_unavailable()
+        if why is None:
+            return "fast"
+        if why.startswith("the C++"):  # a CPU expected them: say why it gets the ref
+            _warn_once(why)
         return "ref"
     return spec
 
@@ -177,24 +209,21 @@ def resolve(name: str, spec: BackendSpec | None = None) -> str:
 def get(name: str, spec: BackendSpec | None = None) -> types.ModuleType:
     """The module implementing component ``name`` under ``spec`` (default: global).
 
-    ``fast`` kernels need Triton. Without a CUDA device they run only in
-    Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is
-    imported, as ``pytest --backend=fast`` does); otherwise the ref twin is used
-    and a warning says so.
+    ``fast`` kernels run natively: Triton on CUDA, the C++ ops on a CPU. If
+    they cannot (no Triton with CUDA; the C++ build failed on a CPU), the ref
+    twin is used and one warning says why. The Triton kernels on a CPU, in
+    Triton's interpreter, are the import path ``minivllm.fast.triton``.
     """
     impl = resolve(name, spec)
     if impl == "ref":
         return _import_component("minivllm.ref", name)
     if impl == "fast":
         if COMPONENTS[name] == "kernel":
-            if not triton_available():
-                return _fallback(name, impl, "Triton is not installed")
-            if not (fast_kernels_native() or triton_interpreted()):
-                return _fallback(
-                    name, impl, "no CUDA device and TRITON_INTERPRET=1 is not set"
-                )
+            missing = fast_kernels_unavailable()
+            if missing is not None:
+                return _fallback(name, missing)
         mod = _import_component("minivllm.fast", name)
-        return mod if mod is not None else _fallback(name, impl, "no fast twin yet")
+        return mod if mod is not None else _fallback(name, f"{name} has no fast twin yet")
     mod = _import_component(impl, name)
     return mod if mod is not None else _import_component("minivllm.ref", name)
 

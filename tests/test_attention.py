@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_utils import DEVICE, DTYPES, assert_close, examples
+from kernel_utils import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    examples,
+    kernel_backend,  # noqa: F401  (runs every test per kernel backend)
+)
 
 import minivllm.ref.attention as ref_attention
 from minivllm import backend

@@ -15,7 +15,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_utils import DEVICE, DTYPES, assert_close, examples
+from kernel_utils import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    examples,
+    kernel_backend,  # noqa: F401  (runs every test per kernel backend)
+)
 
 import minivllm.ref.activation as ref_activation
 import minivllm.ref.layernorm as ref_layernorm

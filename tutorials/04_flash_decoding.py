@@ -191,7 +191,7 @@ paged_decode_attention(q_dev, k_dev, v_dev, md_dev.block_tables, md_dev.seq_lens
                        md_dev.query_start_loc, md_dev.max_seq_len, scale, out,
                        partition_size=P)
 print("Triton, 128-token partitions vs ref:", (out.cpu() - ref_out).abs().max().item())
-out2 = fast_attention.paged_attention(q_dev, k_dev, v_dev, md_dev, scale)
+out2 = fast_attention.paged_attention_triton(q_dev, k_dev, v_dev, md_dev, scale)
 print("Triton, public paged_attention vs ref:", (out2.cpu() - ref_out).abs().max().item())
 torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(out2.cpu(), ref_out, rtol=1e-5, atol=1e-5)

@@ -103,8 +103,8 @@ xs = torch.randn(37, 1000, dtype=dtype)
 rs = torch.randn(37, 1000, dtype=dtype)
 ws = 1 + 0.1 * torch.randn(1000, dtype=dtype)
 ref_out, ref_res = ref_layernorm.fused_add_rms_norm(xs, rs, ws, 1e-6)
-out, res = fast_layernorm.fused_add_rms_norm(xs.clone().to(device), rs.clone().to(device),
-                                             ws.to(device), 1e-6)
+out, res = fast_layernorm.fused_add_rms_norm_triton(xs.clone().to(device), rs.clone().to(device),
+                                                    ws.to(device), 1e-6)
 print("normed: max abs diff", (out.cpu().float() - ref_out.float()).abs().max().item())
 print("residual: max abs diff", (res.cpu().float() - ref_res.float()).abs().max().item())
 torch.testing.assert_close(out.cpu(), ref_out, rtol=1.6e-2, atol=1.6e-2)

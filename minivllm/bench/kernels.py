@@ -1,8 +1,20 @@
 """Kernel benchmark: ``python -m minivllm.bench kernels [--out results/bench_kernels.json]``.
 
-On a CUDA device, times the ref twin and the Triton twin of every kernel
-component on production-like shapes (``triton.testing.do_bench`` medians),
-checks that both give the same values, and reports:
+Times the ref twin and the fast twin of every kernel component, checks that
+both give the same values, and reports speed-ups and, for the memory-bound
+kernels, GB/s against a copy bandwidth measured in the same run.
+
+On a CPU (no CUDA device) the fast twin is the C++ ops
+(``minivllm/fast/csrc``), timed as medians of wall-clock repeats, at
+SmolLM2-135M's shapes in float32 (the dtype the CPU engine runs): decode
+attention at batch 64 x context 1024 (9 query / 3 KV heads, head_dim 64,
+block_size 16), prefill attention (4 x 256 tokens, against SDPA on the same
+dense work), the norms, SiLU-and-mul, RoPE and the cache write at 2048 tokens.
+The copy bandwidth is a 256 MiB ``copy_`` (bytes read + written), so GB/s
+fractions say how close each kernel gets to the memory system's limit.
+
+On a CUDA device it times the Triton twin on production-like shapes
+(``triton.testing.do_bench`` medians) and reports:
 
 - decode attention (flash-decoding), batch 64 x context 4096, 32 query / 8 KV
   heads, head_dim 128, bf16, block_size 16: GB/s, where bytes = the K and V
@@ -17,12 +29,10 @@ checks that both give the same values, and reports:
 - fused add + RMSNorm, RMSNorm, SiLU-and-mul, RoPE and the cache write:
   speed-up over the ref and GB/s from the minimum bytes each must move.
 
-Without CUDA it says so for the kernels (the interpreter measures nothing
-useful about speed) and runs the host-side benchmark
-(``minivllm.bench.host``) if that module exists; ``--tiny`` instead runs every
-case on tiny shapes in Triton's interpreter, to check the benchmark itself
-(labelled "interpreter, correctness only": its times mean nothing). Prints a
-table, writes JSON and a PNG plot next to it.
+``--tiny`` runs every case on tiny shapes through the Triton kernels in
+Triton's interpreter, to check the benchmark itself (labelled "interpreter,
+correctness only": its times mean nothing). Prints a table, writes JSON and a
+PNG plot next to it.
 """
 
 from __future__ import annotations
@@ -43,18 +53,33 @@ SHAPES = {
     "tiny": dict(decode=(2, 40, 4, 2, 16, 16), prefill=(2, 20, 4, 2, 16, 16),
                  norm=(3, 64), silu=(3, 40), rope=(3, 4, 2, 16, 64),
                  cache=(5, 2, 16, 4), copy_bytes=2**20),
+    "cpu": dict(decode=(64, 1024, 9, 3, 64, 16), prefill=(4, 256, 9, 3, 64, 16),
+                norm=(2048, 576), silu=(2048, 1536), rope=(2048, 9, 3, 64, 8192),
+                cache=(2048, 3, 64, 16), copy_bytes=2**28, dtype=torch.float32),
 }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- helpers
 def _bench(fn) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, warm-up excluded)."""
-    if not torch.cuda.is_available():  # --tiny in the interpreter: one untimed-quality run
-        import time
+    """Median milliseconds of ``fn`` (CUDA events on a GPU, wall clock on a CPU)."""
+    import os
+    import time
 
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
+        # --tiny in the interpreter: one run, the time means nothing
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
+    if not torch.cuda.is_available():
+        # One thread: its CPU time, which other processes on a busy machine do not inflate.
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+        fn()  # warm-up
+        times: list[float] = []
+        while len(times) < 5 or (sum(times) < 0.5 and len(times) < 50):
+            start = clock()
+            fn()
+            times.append(clock() - start)
+        return sorted(times)[len(times) // 2] * 1e3
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -66,8 +91,8 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def copy_bandwidth(device: str, n: int = 2**30) -> float:
     """Bytes/s of an ``n``-byte device-to-device copy, counting bytes read + written."""
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    src = torch.ones(n, dtype=torch.uint8, device=device)  # touched: no page faults timed
+    dst = torch.zeros_like(src)
     ms = _bench(lambda: dst.copy_(src))
     return 2 * n / (ms * 1e-3)
 
@@ -97,42 +122,59 @@ def _paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dt
     return query, k_cache, v_cache, md
 
 
-def _row(name, t_ref, t_fast, err, gbytes=None, extra=None) -> dict:
+def _name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def _row(name, t_ref, t_fast, err, gbytes=None, extra=None, bw=None) -> dict:
+    """One table row; with ``gbytes`` (the minimum bytes moved) also GB/s and its
+    fraction of the copy bandwidth ``bw``."""
     row = dict(kernel=name, ref_ms=t_ref, fast_ms=t_fast, speedup=t_ref / t_fast, max_abs_err=err)
     if gbytes is not None:
         row["fast_GBps"] = gbytes / (t_fast * 1e-3)
+        if bw:
+            row["bandwidth_fraction"] = row["fast_GBps"] / bw
     row.update(extra or {})
     return row
 
 
 # ----------------------------------------------------------------------------- the cases
 def bench_decode(ref, fast, bw: float, device: str, shapes: dict) -> dict:
+    dtype = shapes.get("dtype", torch.bfloat16)
+    size = dtype.itemsize  # bytes per element
     batch, ctx, heads, kv_heads, d, bs = shapes["decode"]
     q, kc, vc, md = _paged_batch([ctx] * batch, [1] * batch, heads, kv_heads, d, bs,
-                                 torch.bfloat16, device)  # fmt: skip
+                                 dtype, device)  # fmt: skip
     scale = d**-0.5
     out_fast = fast.paged_attention(q, kc, vc, md, scale)
     err = _err(out_fast, ref.paged_attention(q, kc, vc, md, scale))
     t_fast = _bench(lambda: fast.paged_attention(q, kc, vc, md, scale))
     t_ref = _bench(lambda: ref.paged_attention(q, kc, vc, md, scale))
-    nbytes = 2 * batch * ctx * kv_heads * d * 2 + 2 * q.numel() * 2  # K+V read, q read, out write
-    gbps = nbytes / (t_fast * 1e-3)
+    nbytes = (2 * batch * ctx * kv_heads * d + 2 * q.numel()) * size  # K+V read, q read, out write
     return _row("decode attention", t_ref, t_fast, err, nbytes,
-                dict(shape=f"B{batch} ctx{ctx} H{heads}/{kv_heads} d{d} bf16 bs{bs}",
-                     bandwidth_fraction=gbps / bw))  # fmt: skip
+                dict(shape=f"B{batch} ctx{ctx} H{heads}/{kv_heads} d{d} {_name(dtype)} bs{bs}"),
+                bw=bw)  # fmt: skip
+
+
+def _dense(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached rows of each sequence, contiguous: (S, length, H_kv, D)."""
+    blocks = cache[tables.long()]  # (S, max_blocks, block_size, H_kv, D)
+    return blocks.flatten(1, 2)[:, :length]
 
 
 def bench_prefill(ref, fast, device: str, shapes: dict) -> dict:
     import torch.nn.functional as F
 
+    dtype = shapes.get("dtype", torch.bfloat16)
+
     batch, seq, heads, kv_heads, d, bs = shapes["prefill"]
     q, kc, vc, md = _paged_batch([seq] * batch, [seq] * batch, heads, kv_heads, d, bs,
-                                 torch.bfloat16, device)  # fmt: skip
+                                 dtype, device)  # fmt: skip
     scale = d**-0.5
     # The same work, dense, for SDPA: (B, H, L, D), K/V gathered once outside the timing.
     qd = q.view(batch, seq, heads, d).transpose(1, 2)
-    kd = ref.gather_kv(kc, md.block_tables, seq).transpose(1, 2)  # (B, H_kv, L, D)
-    vd = ref.gather_kv(vc, md.block_tables, seq).transpose(1, 2)
+    kd = _dense(kc, md.block_tables, seq).transpose(1, 2)  # (B, H_kv, L, D)
+    vd = _dense(vc, md.block_tables, seq).transpose(1, 2)
     group = heads // kv_heads
     try:
         def sdpa():
@@ -152,18 +194,20 @@ def bench_prefill(ref, fast, device: str, shapes: dict) -> dict:
     t_sdpa = _bench(sdpa)
     flops = 4 * batch * heads * seq * seq * d / 2
     return _row("prefill attention", t_ref, t_fast, err, None,
-                dict(shape=f"B{batch} L{seq} H{heads}/{kv_heads} d{d} bf16 bs{bs}",
+                dict(shape=f"B{batch} L{seq} H{heads}/{kv_heads} d{d} {_name(dtype)} bs{bs}",
                      sdpa_ms=t_sdpa, sdpa_over_fast=t_sdpa / t_fast,
                      fast_TFLOPs=flops / (t_fast * 1e-3) / 1e12,
                      sdpa_TFLOPs=flops / (t_sdpa * 1e-3) / 1e12))  # fmt: skip
 
 
 def bench_norms(ref, fast, device: str, shapes: dict) -> list[dict]:
+    dtype = shapes.get("dtype", torch.bfloat16)
+    size = dtype.itemsize  # bytes per element
     tokens, hidden = shapes["norm"]
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     r = torch.randn_like(x)
-    w = torch.randn(hidden, dtype=torch.bfloat16, device=device)
-    n = x.numel() * 2
+    w = torch.randn(hidden, dtype=dtype, device=device)
+    n = x.numel() * size
     o_ref = ref.fused_add_rms_norm(x, r, w, 1e-6)
     o_fast = fast.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
     err = max(_err(o_ref[0], o_fast[0]), _err(o_ref[1], o_fast[1]))
@@ -172,66 +216,77 @@ def bench_norms(ref, fast, device: str, shapes: dict) -> list[dict]:
     xf, rf = x.clone(), r.clone()
     fused = _row("fused add+RMSNorm", _bench(lambda: ref.fused_add_rms_norm(x, r, w, 1e-6)),
                  _bench(lambda: fast.fused_add_rms_norm(xf, rf, w, 1e-6)), err, 4 * n,
-                 dict(shape=f"T{tokens} hidden{hidden} bf16"))  # fmt: skip
+                 dict(shape=f"T{tokens} hidden{hidden} {_name(dtype)}"))  # fmt: skip
     err = _err(ref.rms_norm(x, w, 1e-6), fast.rms_norm(x, w, 1e-6))
     plain = _row("RMSNorm", _bench(lambda: ref.rms_norm(x, w, 1e-6)),
                  _bench(lambda: fast.rms_norm(x, w, 1e-6)), err, 2 * n,
-                 dict(shape=f"T{tokens} hidden{hidden} bf16"))  # fmt: skip
+                 dict(shape=f"T{tokens} hidden{hidden} {_name(dtype)}"))  # fmt: skip
     return [fused, plain]
 
 
 def bench_silu(ref, fast, device: str, shapes: dict) -> dict:
+    dtype = shapes.get("dtype", torch.bfloat16)
+    size = dtype.itemsize  # bytes per element
     tokens, inter = shapes["silu"]
-    x = torch.randn(tokens, 2 * inter, dtype=torch.bfloat16, device=device)
+    x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
     err = _err(ref.silu_and_mul(x), fast.silu_and_mul(x))
     return _row("SiLU-and-mul", _bench(lambda: ref.silu_and_mul(x)),
-                _bench(lambda: fast.silu_and_mul(x)), err, 3 * tokens * inter * 2,
-                dict(shape=f"T{tokens} I{inter} bf16"))  # fmt: skip
+                _bench(lambda: fast.silu_and_mul(x)), err, 3 * tokens * inter * size,
+                dict(shape=f"T{tokens} I{inter} {_name(dtype)}"))  # fmt: skip
 
 
 def bench_rope(ref, fast, device: str, shapes: dict) -> dict:
+    dtype = shapes.get("dtype", torch.bfloat16)
+    size = dtype.itemsize  # bytes per element
     tokens, heads, kv_heads, d, max_pos = shapes["rope"]
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=device).float() / d)
     freqs = torch.outer(torch.arange(max_pos, device=device).float(), inv_freq)
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     pos = torch.randint(0, max_pos, (tokens,), device=device)
-    q = torch.randn(tokens, heads, d, dtype=torch.bfloat16, device=device)
-    k = torch.randn(tokens, kv_heads, d, dtype=torch.bfloat16, device=device)
+    q = torch.randn(tokens, heads, d, dtype=dtype, device=device)
+    k = torch.randn(tokens, kv_heads, d, dtype=dtype, device=device)
     rq, rk = ref.apply_rotary_emb(pos, q, k, cache)
     fq, fk = fast.apply_rotary_emb(pos, q.clone(), k.clone(), cache)
     err = max(_err(rq, fq), _err(rk, fk))
     qf, kf = q.clone(), k.clone()  # rotated in place again and again: same cost
-    nbytes = 2 * tokens * (heads + kv_heads) * d * 2 + tokens * d * 4
+    nbytes = 2 * tokens * (heads + kv_heads) * d * size + tokens * d * 4
     return _row("RoPE (neox)", _bench(lambda: ref.apply_rotary_emb(pos, q, k, cache)),
                 _bench(lambda: fast.apply_rotary_emb(pos, qf, kf, cache)), err, nbytes,
-                dict(shape=f"T{tokens} H{heads}/{kv_heads} d{d} bf16"))  # fmt: skip
+                dict(shape=f"T{tokens} H{heads}/{kv_heads} d{d} {_name(dtype)}"))  # fmt: skip
 
 
 def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
+    dtype = shapes.get("dtype", torch.bfloat16)
+    size = dtype.itemsize  # bytes per element
     tokens, kv_heads, d, bs = shapes["cache"]
     num_blocks = 2 * tokens // bs
-    k = torch.randn(tokens, kv_heads, d, dtype=torch.bfloat16, device=device)
+    k = torch.randn(tokens, kv_heads, d, dtype=dtype, device=device)
     v = torch.randn_like(k)
     slots = torch.randperm(num_blocks * bs, device=device)[:tokens]
     slots[::17] = -1  # some padding rows
-    caches = [torch.zeros(num_blocks, bs, kv_heads, d, dtype=torch.bfloat16, device=device)
+    caches = [torch.zeros(num_blocks, bs, kv_heads, d, dtype=dtype, device=device)
               for _ in range(4)]  # fmt: skip
     ref.reshape_and_cache(k, v, caches[0], caches[1], slots)
     fast.reshape_and_cache(k, v, caches[2], caches[3], slots)
     err = max(_err(caches[0], caches[2]), _err(caches[1], caches[3]))
-    nbytes = 4 * tokens * kv_heads * d * 2
+    nbytes = 4 * tokens * kv_heads * d * size
     return _row("reshape_and_cache",
                 _bench(lambda: ref.reshape_and_cache(k, v, *caches[:2], slots)),
                 _bench(lambda: fast.reshape_and_cache(k, v, *caches[2:], slots)), err, nbytes,
-                dict(shape=f"T{tokens} H_kv{kv_heads} d{d} bf16 bs{bs}"))  # fmt: skip
+                dict(shape=f"T{tokens} H_kv{kv_heads} d{d} {_name(dtype)} bs{bs}"))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- report
-def run_kernels(device: str, shapes: dict) -> dict:
-    """Every case on ``device``: CUDA (compiled), or CPU under the interpreter (--tiny)."""
+def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast") -> dict:
+    """Every case on ``device`` with the kernels of ``fast_path``.
+
+    ``minivllm.fast`` picks by device: Triton on CUDA, the C++ ops on a CPU;
+    ``--tiny`` passes ``minivllm.fast.triton`` (the interpreter on a CPU).
+    """
     ref = {n: importlib.import_module(f"minivllm.ref.{n}") for n in
            ("attention", "layernorm", "activation", "rotary", "cache_write")}  # fmt: skip
-    fast = {n: importlib.import_module(f"minivllm.fast.{n}") for n in ref}
+    pkg = importlib.import_module(fast_path)
+    fast = {n: getattr(pkg, n, None) or importlib.import_module(f"{fast_path}.{n}") for n in ref}
     bw = copy_bandwidth(device, shapes["copy_bytes"])
     rows = []
     cases = [
@@ -253,45 +308,40 @@ def run_kernels(device: str, shapes: dict) -> dict:
             print(f"[bench kernels] {name} failed: {errors[name]}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    name = "cpu (interpreter, correctness only)"
+    for r in rows:  # every memory-bound kernel against the same copy
+        if "fast_GBps" in r:
+            r["bandwidth_fraction"] = r["fast_GBps"] / bw
     if device == "cuda":
-        name = torch.cuda.get_device_name()
-    return dict(cuda=device == "cuda", device=name, copy_GBps=bw / 1e9, rows=rows, errors=errors)
-
-
-def run_cpu() -> dict:
-    print("No CUDA device: the Triton kernels need a GPU to be timed (Triton's interpreter\n"
-          "only checks correctness: `pytest --backend=fast tests/test_attention.py`).")  # fmt: skip
-    result = dict(cuda=False, device="cpu", rows=[], errors={})
-    try:
-        host = importlib.import_module("minivllm.bench.host")
-    except ImportError:
-        print("minivllm.bench.host not found: skipping the host-side benchmark.")
-        return result
-    if hasattr(host, "main"):
-        print("Running the host-side benchmark (python -m minivllm.bench host):")
-        host.main([])
-        result["host"] = "ran minivllm.bench.host (see its own output/JSON)"
-    return result
+        name, label = torch.cuda.get_device_name(), "Triton"
+    elif fast_path.endswith("triton"):
+        name, label = "cpu (interpreter, correctness only)", "Triton"
+    else:
+        threads = torch.get_num_threads()
+        name = "cpu, 1 thread (CPU time)" if threads == 1 else f"cpu x{threads} threads"
+        label = "C++"
+    return dict(cuda=device == "cuda", device=name, fast_label=label, copy_GBps=bw / 1e9,
+                rows=rows, errors=errors)
 
 
 def print_table(result: dict) -> None:
     if not result["rows"]:
         return
+    label = result.get("fast_label", "fast")
     print(f"\nminivllm bench kernels on {result['device']}; measured copy bandwidth "
-          f"{result['copy_GBps']:.0f} GB/s")  # fmt: skip
-    print(f"{'kernel':<20}{'ref ms':>9}{'fast ms':>9}{'speed-up':>10}{'fast GB/s':>11}  notes")
+          f"{result['copy_GBps']:.1f} GB/s")  # fmt: skip
+    print(f"{'kernel':<20}{'ref ms':>9}{label + ' ms':>11}{'speed-up':>10}{label + ' GB/s':>13}"
+          f"  notes")  # fmt: skip
     for r in result["rows"]:
         notes = []
         if "bandwidth_fraction" in r:
             notes.append(f"{100 * r['bandwidth_fraction']:.0f}% of copy bandwidth")
         if "sdpa_over_fast" in r:
-            notes.append(f"SDPA/fast time {r['sdpa_over_fast']:.2f} "
-                         f"({r['fast_TFLOPs']:.0f} vs {r['sdpa_TFLOPs']:.0f} TFLOP/s)")  # fmt: skip
+            notes.append(f"SDPA/{label} time {r['sdpa_over_fast']:.2f} "
+                         f"({r['fast_TFLOPs']:.3g} vs {r['sdpa_TFLOPs']:.3g} TFLOP/s)")  # fmt: skip
         notes.append(f"max err {r['max_abs_err']:.2g}")
-        gb = f"{r['fast_GBps'] / 1e9:.0f}" if "fast_GBps" in r else "-"
-        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>9.3f}{r['speedup']:>9.1f}x"
-              f"{gb:>11}  {'; '.join(notes)}")  # fmt: skip
+        gb = f"{r['fast_GBps'] / 1e9:.1f}" if "fast_GBps" in r else "-"
+        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>11.3f}{r['speedup']:>9.1f}x"
+              f"{gb:>13}  {'; '.join(notes)}")  # fmt: skip
 
 
 def plot(result: dict, path: Path) -> None:
@@ -304,19 +354,19 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     if not rows:
         for ax in (ax1, ax2):
-            ax.text(0.5, 0.5, "no CUDA device:\nkernels not timed", ha="center", va="center")
+            ax.text(0.5, 0.5, "no kernels timed", ha="center", va="center")
             ax.set_axis_off()
     else:
         names = [r["kernel"] for r in rows]
         ax1.barh(names, [r["speedup"] for r in rows], color="tab:green")
         ax1.axvline(1.0, color="k", lw=0.8)
         ax1.set_xscale("log")
-        ax1.set_xlabel("speed-up of fast over ref (log)")
+        ax1.set_xlabel(f"speed-up of {result.get('fast_label', 'fast')} over ref (log)")
         ax1.invert_yaxis()
         bw_rows = [r for r in rows if "fast_GBps" in r]
         ax2.barh([r["kernel"] for r in bw_rows], [r["fast_GBps"] / 1e9 for r in bw_rows])
         ax2.axvline(result["copy_GBps"], color="r", ls="--", label="measured copy bandwidth")
-        ax2.set_xlabel("fast kernel GB/s (minimum bytes / time)")
+        ax2.set_xlabel(f"{result.get('fast_label', 'fast')} kernel GB/s (minimum bytes / time)")
         ax2.invert_yaxis()
         ax2.legend(loc="lower right")
     fig.suptitle(f"minivllm kernels on {result['device']}")
@@ -330,9 +380,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", default="results/bench_kernels.json", help="JSON path (PNG beside it)")
     p.add_argument("--tiny", action="store_true",
-                   help="without CUDA: run every case on tiny shapes in Triton's interpreter "
-                   "(checks the benchmark code; the times mean nothing)")  # fmt: skip
+                   help="without CUDA: run every case on tiny shapes through the Triton kernels "
+                   "in Triton's interpreter (checks the benchmark code; the times mean nothing)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch and the C++ ops (default: torch's); 1 times "
+                   "the thread's CPU time, steady on a busy machine")  # fmt: skip
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if torch.cuda.is_available():
         result = run_kernels("cuda", SHAPES["full"])
     elif args.tiny:
@@ -341,9 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         if "triton" in __import__("sys").modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before Triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-        result = run_kernels("cpu", SHAPES["tiny"])
+        result = run_kernels("cpu", SHAPES["tiny"], "minivllm.fast.triton")
     else:
-        result = run_cpu()
+        from minivllm.fast import cpu_ops
+
+        if not cpu_ops.available():
+            raise SystemExit(f"the C++ CPU kernels are not available "
+                             f"({cpu_ops.unavailable_reason()}): nothing to time")  # fmt: skip
+        result = run_kernels("cpu", SHAPES["cpu"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -1,4 +1,4 @@
-"""Paged attention over a mixed batch, with Triton kernels that read the cache in place.
+"""Paged attention over a mixed batch, with kernels that read the cache in place.
 
 What you learn here: how a serving engine picks an attention kernel per batch.
 The contract is the ref twin's (:mod:`minivllm.ref.attention`): a flattened,
@@ -23,6 +23,14 @@ builds a score matrix in memory, and the choice between them uses only
 host-side integers (``max_query_len``, the token count), so dispatch never
 waits for the GPU.
 
+On a CPU the work goes to the C++ op ``torch.ops.minivllm.paged_attention``
+(``minivllm/fast/csrc/attention.cpp``): one op for every kind of batch, each
+(sequence, KV head, tile of query rows) a work item over threads, the GQA
+group's query heads sharing every K/V row it reads, and an online softmax
+over tiles of keys. :func:`paged_attention` picks the realisation from the
+tensor's device; ``paged_attention_triton`` / ``paged_attention_cpu`` name
+them directly (``minivllm.fast.triton`` / ``minivllm.fast.cpu``).
+
 ``gather_kv`` is the ref's helper, re-exported so that both twins have the
 same public names; the kernels here do not use it.
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.fast import cpu_ops
 from minivllm.fast.attention_decode import paged_decode_attention
 from minivllm.fast.attention_prefill import unified_attention
 from minivllm.metadata import AttentionMetadata
@@ -92,6 +101,19 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """Causal attention of every query row over its sequence's cached K/V."""
+    if query.device.type == "cpu":
+        return paged_attention_cpu(query, k_cache, v_cache, metadata, scale)
+    return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    """:func:`paged_attention` by the Triton kernels (CUDA, or the interpreter on a CPU)."""
     _check(query, k_cache, v_cache, metadata)
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -111,3 +133,24 @@ def paged_attention(
         query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, metadata.max_query_len, scale, out,
     )  # fmt: skip
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    """:func:`paged_attention` by the C++ op ``torch.ops.minivllm.paged_attention``."""
+    _check(query, k_cache, v_cache, metadata)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if query.shape[0] == 0 or metadata.seq_lens.shape[0] == 0:
+        return out
+    cpu_ops.ops().paged_attention(
+        out, query, k_cache, v_cache, metadata.block_tables.to(torch.int32),
+        metadata.seq_lens.to(torch.int32), metadata.query_start_loc.to(torch.int32), scale,
+    )  # fmt: skip
+    return out

@@ -46,8 +46,12 @@ queries once, and writes the output once, plus the small float32 partials.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
+    from minivllm.fast._no_triton import tl, triton
 
 from minivllm.backend import triton_interpreted
 

@@ -40,8 +40,12 @@ writes O once, and never stores scores.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
+    from minivllm.fast._no_triton import tl, triton
 
 from minivllm.fast.attention_decode import _dot, dot_mode, launch
 

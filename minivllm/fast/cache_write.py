@@ -1,4 +1,4 @@
-"""Write new tokens' keys and values into the paged KV cache, in Triton.
+"""Write new tokens' keys and values into the paged KV cache: Triton or C++.
 
 What you learn here: the simplest useful Triton kernel of an inference engine,
 a *scatter* through an index table. Token ``t`` of the batch writes its
@@ -18,13 +18,24 @@ it once, in one launch, and never touches padding rows.
 Launch grid: ``(num_tokens, cdiv(num_kv_heads * head_dim, BLOCK))``. One
 program copies one block of ``BLOCK`` consecutive elements of one token's
 flattened ``(num_kv_heads * head_dim)`` row, for both K and V.
+
+On a CPU the same scatter is the C++ op ``torch.ops.minivllm.reshape_and_cache``
+(``minivllm/fast/csrc/cache_write.cpp``): one ``memcpy`` per token and head,
+tokens spread over threads. :func:`reshape_and_cache` picks the realisation
+from the tensor's device.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from minivllm.fast import cpu_ops
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
+    from minivllm.fast._no_triton import tl, triton
 
 __all__ = ["reshape_and_cache"]
 
@@ -71,6 +82,14 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
 ) -> None:
     """Scatter ``key``/``value`` rows into ``k_cache``/``v_cache`` in place."""
+    if key.device.type == "cpu":
+        reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _prepare(key, value, k_cache, v_cache, slot_mapping):
+    """Validate; return key and value with unit stride on head_dim."""
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
             f"key and value must both be (num_tokens, num_kv_heads, head_dim), "
@@ -93,13 +112,26 @@ def reshape_and_cache(
         )
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
-    if num_tokens == 0:
-        return
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
 
+    return key, value
+
+
+def reshape_and_cache_triton(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
+) -> None:
+    """:func:`reshape_and_cache` by the Triton kernel (CUDA, or the interpreter on a CPU)."""
+    key, value = _prepare(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
     row = num_kv_heads * head_dim
     block = min(triton.next_power_of_2(row), 2048)
     grid = (num_tokens, triton.cdiv(row, block))
@@ -111,3 +143,22 @@ def reshape_and_cache(
         k_cache.shape[1],
         HEAD_DIM=head_dim, ROW=row, BLOCK=block,
     )  # fmt: skip
+
+
+def reshape_and_cache_cpu(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
+) -> None:
+    """:func:`reshape_and_cache` by the C++ op ``torch.ops.minivllm.reshape_and_cache``.
+
+    K/V of another dtype than the cache are cast first (the op copies bytes).
+    """
+    key, value = _prepare(key, value, k_cache, v_cache, slot_mapping)
+    if key.shape[0] == 0:
+        return
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    cpu_ops.ops().reshape_and_cache(key, value, k_cache, v_cache,
+                                    slot_mapping.to(torch.int64).contiguous())  # fmt: skip

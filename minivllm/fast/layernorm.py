@@ -1,4 +1,4 @@
-"""RMSNorm and residual-add + RMSNorm fused into one Triton kernel.
+"""RMSNorm and residual-add + RMSNorm fused into one kernel: Triton on CUDA, C++ on a CPU.
 
 What you learn here: *kernel fusion* for a memory-bound operation. A norm does
 almost no arithmetic per byte, so its time is the time to move its bytes, and
@@ -21,6 +21,13 @@ Launch grid: ``(num_tokens,)``: one program per row; the whole row
 ``BLOCK = next_power_of_2(hidden)`` elements, so the mean of squares is one
 in-register reduction.
 
+On a CPU the same fusion runs as the C++ op ``torch.ops.minivllm.fused_add_rms_norm``
+(``minivllm/fast/csrc/layernorm.cpp``): one pass per row over threads, the new
+residual written into ``residual`` and the normed output into ``x``, so it
+allocates nothing. :func:`rms_norm` and :func:`fused_add_rms_norm` pick the
+realisation from the tensor's device; ``*_triton`` and ``*_cpu`` name them
+directly (``minivllm.fast.triton`` / ``minivllm.fast.cpu``).
+
 Rounding follows the ref exactly: ``x + residual`` is rounded to the input
 dtype, the norm is computed in float32, rounded to the input dtype, and only
 then multiplied by the weight (as transformers' ``LlamaRMSNorm`` does).
@@ -29,8 +36,15 @@ then multiplied by the weight (as transformers' ``LlamaRMSNorm`` does).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from minivllm.fast import cpu_ops
+from minivllm.ref import layernorm as ref_layernorm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
+    from minivllm.fast._no_triton import tl, triton
 
 __all__ = ["rms_norm", "fused_add_rms_norm"]
 
@@ -102,13 +116,9 @@ def rms_norm(
     eps: float,
 ) -> torch.Tensor:
     """RMS-normalise each row of ``x`` and scale by ``weight``."""
-    _check(x, weight)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    if x.numel() == 0:
-        return out
-    x2 = _rows(x)
-    _launch(x2, None, weight, out.view(-1, x.shape[-1]), None, eps)
-    return out
+    if x.device.type == "cpu":
+        return rms_norm_cpu(x, weight, eps)
+    return rms_norm_triton(x, weight, eps)
 
 
 def fused_add_rms_norm(
@@ -118,6 +128,37 @@ def fused_add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(rms_norm(x + residual), x + residual)``.
+
+    Writes into ``x`` and ``residual`` where it can; callers must use the
+    returned tensors.
+    """
+    if x.device.type == "cpu":
+        return fused_add_rms_norm_cpu(x, residual, weight, eps)
+    return fused_add_rms_norm_triton(x, residual, weight, eps)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> torch.Tensor:
+    """:func:`rms_norm` by the Triton kernel (CUDA, or the interpreter on a CPU)."""
+    _check(x, weight)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if x.numel() == 0:
+        return out
+    x2 = _rows(x)
+    _launch(x2, None, weight, out.view(-1, x.shape[-1]), None, eps)
+    return out
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    residual: torch.Tensor,  # (num_tokens, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_rms_norm` by the Triton kernel.
 
     The new residual is written into ``residual`` itself when it is contiguous
     and already has the sum's dtype (the usual case), so no buffer is allocated.
@@ -140,3 +181,53 @@ def fused_add_rms_norm(
     hidden = x.shape[-1]
     _launch(_rows(x), _rows(residual), weight, out.view(-1, hidden), res_out.view(-1, hidden), eps)
     return out, res_out
+
+
+# ----------------------------------------------------------------------------- C++ (CPU)
+def _same_dtype(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == tensors[0].dtype for t in tensors)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> torch.Tensor:
+    """:func:`rms_norm` by the C++ op ``torch.ops.minivllm.rms_norm``.
+
+    Mixed dtypes (a float32 weight on bfloat16 rows) take the ref's path: the
+    op reads one dtype.
+    """
+    _check(x, weight)
+    if not _same_dtype(x, weight):
+        return ref_layernorm.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if x.numel():
+        cpu_ops.ops().rms_norm(out.view(-1, x.shape[-1]), _rows(x), weight.contiguous(), eps)
+    return out
+
+
+def fused_add_rms_norm_cpu(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    residual: torch.Tensor,  # (num_tokens, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_rms_norm` by the C++ op, in place: returns ``(x, residual)``.
+
+    The op overwrites ``residual`` with the sum and ``x`` with the normed
+    output. Inputs it cannot update in place (mixed dtypes, non-contiguous
+    rows) take the ref's path.
+    """
+    _check(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}"
+        )
+    if not (_same_dtype(x, residual, weight) and x.is_contiguous() and residual.is_contiguous()):
+        return ref_layernorm.fused_add_rms_norm(x, residual, weight, eps)
+    if x.numel():
+        hidden = x.shape[-1]
+        cpu_ops.ops().fused_add_rms_norm(x.view(-1, hidden), residual.view(-1, hidden),
+                                         weight.contiguous(), eps)  # fmt: skip
+    return x, residual

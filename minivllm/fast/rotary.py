@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) applied in place by one Triton kernel.
+"""Rotary position embedding (RoPE) applied in place by one kernel: Triton or C++.
 
 What you learn here: working on *pairs* of features with two sets of offsets
 into the same row, and writing the result back in place. Feature pairs are
@@ -18,13 +18,25 @@ rotated features back once (``2 * T * (H + H_kv) * rotary_dim``), reads
 Launch grid: ``(num_tokens,)``. One program rotates all query heads and all
 key heads of one token as ``[heads, rotary_dim/2]`` tiles, so the token's
 cos/sin row is loaded once and shared by every head.
+
+On a CPU the same in-place rotation is the C++ op
+``torch.ops.minivllm.rotary_embedding`` (``minivllm/fast/csrc/rotary.cpp``), one
+token per loop iteration, tokens spread over threads. :func:`apply_rotary_emb`
+picks the realisation from the tensor's device.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from minivllm.fast import cpu_ops
+from minivllm.ref import rotary as ref_rotary
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
+    from minivllm.fast._no_triton import tl, triton
 
 __all__ = ["apply_rotary_emb"]
 
@@ -100,6 +112,13 @@ def apply_rotary_emb(
     Rotates in place (when the last dimension has unit stride; otherwise on a
     contiguous copy); callers use the returned tensors.
     """
+    if query.device.type == "cpu":
+        return apply_rotary_emb_cpu(positions, query, key, cos_sin_cache, is_neox_style)
+    return apply_rotary_emb_triton(positions, query, key, cos_sin_cache, is_neox_style)
+
+
+def _prepare(positions, query, key, cos_sin_cache):
+    """Validate; return query, key and the cache with unit stride on their last dimension."""
     if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0]:
         raise ValueError(
             f"query and key must be (num_tokens, heads, head_dim) with the same num_tokens, "
@@ -122,11 +141,23 @@ def apply_rotary_emb(
         key = key.contiguous()
     if cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.contiguous()
+    return query, key, cos_sin_cache
+
+
+def apply_rotary_emb_triton(
+    positions: torch.Tensor,  # (num_tokens,) int64
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    cos_sin_cache: torch.Tensor,  # (max_position, rotary_dim) float32
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_emb` by the Triton kernel (CUDA, or the interpreter on a CPU)."""
+    query, key, cos_sin_cache = _prepare(positions, query, key, cos_sin_cache)
     num_tokens, num_heads, _ = query.shape
     num_kv_heads = key.shape[1]
     if num_tokens == 0:
         return query, key
-    half = rotary_dim // 2
+    half = cos_sin_cache.shape[-1] // 2
     _rotary_kernel[(num_tokens,)](
         positions, query, key, cos_sin_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
@@ -138,4 +169,24 @@ def apply_rotary_emb(
         BLOCK_R=triton.next_power_of_2(half),
         num_warps=4,
     )  # fmt: skip
+    return query, key
+
+
+def apply_rotary_emb_cpu(
+    positions: torch.Tensor,  # (num_tokens,) int64
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    cos_sin_cache: torch.Tensor,  # (max_position, rotary_dim) float32
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_emb` by the C++ op ``torch.ops.minivllm.rotary_embedding``.
+
+    A query/key dtype mismatch takes the ref's path (the op reads one dtype).
+    """
+    query, key, cos_sin_cache = _prepare(positions, query, key, cos_sin_cache)
+    if query.dtype != key.dtype:
+        return ref_rotary.apply_rotary_emb(positions, query, key, cos_sin_cache, is_neox_style)
+    if query.shape[0]:
+        cpu_ops.ops().rotary_embedding(positions.to(torch.int64).contiguous(), query, key,
+                                       cos_sin_cache.float(), bool(is_neox_style))  # fmt: skip
     return query, key

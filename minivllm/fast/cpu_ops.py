@@ -1,0 +1,141 @@
+"""Build and load the C++ CPU kernels (``minivllm/fast/csrc``) as ``torch.ops.minivllm.*``.
+
+What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one page.
+
+1. The kernels are plain C++ over ``torch::Tensor`` in ``csrc/*.cpp``
+   (attention, cache write, RMSNorm, SiLU-and-mul, RoPE; shared helpers in
+   ``csrc/ops.h``).
+2. ``csrc/torch_bindings.cpp`` registers them with ``TORCH_LIBRARY(minivllm, m)``:
+   a schema per op (``Tensor(a!)`` marks what it writes) and a CPU
+   implementation. Registered ops are real torch operators: the profiler names
+   them, ``torch.compile`` traces through them, and Python calls them as
+   ``torch.ops.minivllm.rms_norm(out, x, weight, eps)``.
+3. :func:`build` compiles the sources just in time with
+   ``torch.utils.cpp_extension.load`` (ninja, the host compiler, ``-O3`` and
+   the native instruction set, OpenMP for ``at::parallel_for``) into torch's
+   extension cache (``$TORCH_EXTENSIONS_DIR``, default
+   ``~/.cache/torch_extensions``), never into the source tree, and loads the
+   library into the process, which runs the registrations. The first build
+   takes a minute or so and prints one line saying so; later processes reuse
+   the cached library (torch rebuilds it when a source or flag changes).
+   ``make setup`` builds it ahead of time (``python -m minivllm.fast.cpu_ops``).
+4. If there is no compiler, or the build fails, :func:`build` returns the
+   reason instead of raising; :mod:`minivllm.backend` then serves the kernel
+   components from ``minivllm.ref`` with one warning giving that reason.
+
+The Python wrappers that allocate outputs and call these ops are in the fast
+component modules (``minivllm/fast/layernorm.py``: ``rms_norm_cpu`` ...), next
+to their Triton twins; ``minivllm.fast.cpu`` collects them as a backend.
+``MINIVLLM_NO_CPP=1`` skips the build (as if it had failed), e.g. to measure
+the ref on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("attention.cpp", "cache_write.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp",
+           "torch_bindings.cpp")  # fmt: skip
+#: The extension's name: its folder in torch's extension cache.
+NAME = "minivllm_cpu_ops"
+
+
+def compile_flags() -> list[str]:
+    """``-O3``, OpenMP (on Linux) and the native instruction set of this machine.
+
+    The library is built on the machine that runs it, so ``-march=native`` is
+    safe and lets the compiler vectorise the loops with AVX2/AVX-512 (x86) or
+    NEON/SVE (ARM). macOS's clang has no OpenMP: ``at::parallel_for`` then runs
+    on one thread.
+    """
+    flags = ["-O3"]
+    if sys.platform.startswith("linux"):
+        flags.append("-fopenmp")
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        flags.append("-march=native")
+    elif machine in ("arm64", "aarch64"):
+        flags.append("-mcpu=native")
+    return flags
+
+
+def build_directory() -> Path:
+    """Where torch's extension cache keeps this library (outside the repository)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(NAME, verbose=False))
+
+
+def _is_built(build_dir: Path) -> bool:
+    """True if a library newer than every source is already in the cache."""
+    libs = list(build_dir.glob(f"{NAME}*.so")) + list(build_dir.glob(f"{NAME}*.pyd"))
+    if not libs:
+        return False
+    newest_source = max((CSRC / s).stat().st_mtime for s in (*SOURCES, "ops.h"))
+    return min(lib.stat().st_mtime for lib in libs) >= newest_source
+
+
+@functools.cache
+def build() -> tuple[str | None, str | None]:
+    """Build (once per machine) and load the C++ ops: ``(library path, None)`` or ``(None, why)``.
+
+    Cached: later calls are free. Never raises: a missing compiler or a compile
+    error becomes the reason string, which :mod:`minivllm.backend` puts in its
+    one fallback warning.
+    """
+    if os.environ.get("MINIVLLM_NO_CPP", "0") == "1":
+        return None, "MINIVLLM_NO_CPP=1 is set"
+    try:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        build_dir = build_directory()
+        fresh = not _is_built(build_dir)
+        start = time.perf_counter()
+        path = cpp_load(
+            name=NAME,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=compile_flags(),
+            extra_ldflags=["-fopenmp"] if sys.platform.startswith("linux") else [],
+            is_python_module=False,  # a plain library: loading it runs TORCH_LIBRARY
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a compile error: fall back, never crash
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        return None, f"{type(e).__name__}: {lines[-1] if lines else 'build failed'}"
+    if fresh:
+        print(f"minivllm: built the C++ CPU kernels in {time.perf_counter() - start:.1f} s "
+              f"(cached in {build_dir})", file=sys.stderr, flush=True)  # fmt: skip
+    return path, None
+
+
+def available() -> bool:
+    """True if the C++ ops are built and loaded (builds them on first use)."""
+    return build()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the C++ ops could not be built or loaded, or None if they were."""
+    return build()[1]
+
+
+def ops():
+    """``torch.ops.minivllm``, after making sure the library is loaded."""
+    path, why = build()
+    if path is None:
+        raise RuntimeError(f"the minivllm C++ CPU kernels are not available ({why}); "
+                           f"use backend='ref' on a CPU")  # fmt: skip
+    return torch.ops.minivllm
+
+
+if __name__ == "__main__":  # python -m minivllm.fast.cpu_ops: build ahead of time
+    path, why = build()
+    print(f"minivllm C++ CPU kernels: {path or f'not available ({why}); the ref kernels will run'}")
+    # Exit 0 either way: without the ops minivllm still runs (the ref kernels), so set-up goes on.

@@ -1,0 +1,119 @@
+// The C++ CPU kernels of minivllm: declarations and the small helpers they share.
+//
+// Every kernel works on float32, float16 and bfloat16 tensors and accumulates in
+// float32. The loops are written so that the compiler can vectorise them at -O3
+// (no intrinsics): element-wise loops over contiguous rows, and reductions that
+// keep LANES partial sums side by side instead of one running sum (a single sum
+// is a dependency chain the compiler may not reorder without -ffast-math).
+// Work is split over threads with at::parallel_for.
+#pragma once
+
+// Only the headers the kernels need (not <torch/all.h>): it halves the build time.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace minivllm {
+
+// Partial sums kept side by side in a reduction: one 512-bit vector of floats.
+constexpr int LANES = 16;
+
+// Elements of work below which a loop stays on the calling thread (ATen's own
+// threshold): waking the thread pool costs more than small memory-bound loops
+// gain from it, and far more when the machine is oversubscribed.
+constexpr int64_t GRAIN_ELEMENTS = 32768;
+
+// The at::parallel_for grain for items of `per_item` elements each.
+inline int64_t grain_for(int64_t per_item) {
+  return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, per_item));
+}
+
+// Dispatch on float32 / float16 / bfloat16 (scalar_t inside the lambda).
+#define MINIVLLM_DISPATCH(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+// Sum of LANES partial sums as a tree (8 + 8, 4 + 4, ...): each step is an
+// element-wise add the compiler vectorises; a plain loop would be 16 serial adds.
+inline float reduce_lanes(float* acc) {
+  for (int width = LANES / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  }
+  return acc[0];
+}
+
+// sum_i a[i] * b[i] over n floats, with LANES independent partial sums.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];  // the tail
+  return reduce_lanes(acc);
+}
+
+// sum_i x[i]^2 over n elements of any dtype, in float32.
+template <typename scalar_t>
+inline float sum_of_squares(const scalar_t* __restrict x, int64_t n) {
+  float acc[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; ++l) {
+      const float v = static_cast<float>(x[i + l]);
+      acc[l] += v * v;
+    }
+  }
+  for (int l = 0; i + l < n; ++l) {  // the tail
+    const float v = static_cast<float>(x[i + l]);
+    acc[l] += v * v;
+  }
+  return reduce_lanes(acc);
+}
+
+// e^x for float32 in plain arithmetic (Cody-Waite range reduction + a degree-6
+// polynomial, relative error ~2e-7), so loops calling it vectorise; std::exp is
+// an opaque library call that keeps a loop scalar, and so are std::floor and
+// std::fmax without -ffast-math, hence the ternaries and the rounding trick.
+// Returns 0 for x <= -87 (and for -inf).
+inline float fast_exp(float x) {
+  const bool underflow = x <= -87.0f;
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // k = round(x / ln 2): adding 1.5 * 2^23 pushes the fraction bits out.
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;  // x - k ln 2
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;  // e^r for |r| <= ln2 / 2
+  // Multiply by 2^k by building the float's exponent bits directly.
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return underflow ? 0.0f : p * scale;
+}
+
+// The ops, as registered in torch_bindings.cpp (schemas there).
+void paged_attention(at::Tensor& out, const at::Tensor& query,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale);
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                       at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping);
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+              double eps);
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,
+                        const at::Tensor& weight, double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& input);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      const at::Tensor& cos_sin_cache, bool is_neox);
+
+}  // namespace minivllm

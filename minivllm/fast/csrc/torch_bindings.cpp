@@ -1,0 +1,36 @@
+// Registers the CPU kernels as torch operators: torch.ops.minivllm.<name>.
+//
+// TORCH_LIBRARY declares each op's schema (its signature in TorchScript's
+// schema language). ``Tensor(a!)`` marks an argument the op writes in place,
+// which torch.compile needs to know (it functionalises the graph around it) and
+// which the profiler shows. TORCH_LIBRARY_IMPL then gives the CPU
+// implementation; a CUDA build could register its own under the same names.
+#include "ops.h"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(minivllm, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) "
+      "-> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
+      "Tensor cos_sin_cache, bool is_neox) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
+  m.impl("paged_attention", &minivllm::paged_attention);
+  m.impl("reshape_and_cache", &minivllm::reshape_and_cache);
+  m.impl("rms_norm", &minivllm::rms_norm);
+  m.impl("fused_add_rms_norm", &minivllm::fused_add_rms_norm);
+  m.impl("silu_and_mul", &minivllm::silu_and_mul);
+  m.impl("rotary_embedding", &minivllm::rotary_embedding);
+}
