@@ -49,6 +49,7 @@ def gather_kv(
     max_len: int,
 ) -> torch.Tensor:  # (num_seqs, max_len, H_kv, D)
     """Copy each sequence's cached rows, in order, out of the paged cache."""
+    # BEGIN SOLUTION
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
     num_blocks_needed = (max_len + block_size - 1) // block_size
@@ -57,6 +58,7 @@ def gather_kv(
     # advanced indexing (cache[block_tables]) on a CPU.
     blocks = cache.flatten(1).index_select(0, block_ids)  # (S * nb, bs * H_kv * D)
     return blocks.view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    # END SOLUTION
 
 
 #: Decode sequences attended to together (after sorting by context length).
@@ -100,6 +102,7 @@ def _plan(metadata: AttentionMetadata) -> list[_Work]:
     so this runs on the first layer and is remembered (for that metadata object
     only) for the rest.
     """
+    # BEGIN SOLUTION
     global _last_plan
     if _last_plan is not None and _last_plan[0]() is metadata:
         return _last_plan[1]
@@ -132,6 +135,7 @@ def _plan(metadata: AttentionMetadata) -> list[_Work]:
                           allowed))
     _last_plan = (weakref.ref(metadata), plan)
     return plan
+    # END SOLUTION
 
 
 def paged_attention(
@@ -142,6 +146,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """Causal attention of every query row over its sequence's cached K/V."""
+    # BEGIN SOLUTION
     out = torch.empty_like(query)
     for work in _plan(metadata):
         k = gather_kv(k_cache, work.tables, work.max_len)  # (S, L, H_kv, D)
@@ -153,3 +158,4 @@ def paged_attention(
             q = query[work.rows][:, None]
             out[work.rows] = _sdpa(q, k, v, work.allowed, scale)[:, 0]
     return out
+    # END SOLUTION

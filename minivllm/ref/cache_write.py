@@ -22,9 +22,11 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
 ) -> None:
     """Scatter ``key``/``value`` rows into ``k_cache``/``v_cache`` in place."""
+    # BEGIN SOLUTION
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     # View the cache as one flat array of slots: (num_blocks * block_size, H, D).
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[valid].to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[valid].to(v_cache.dtype)
+    # END SOLUTION

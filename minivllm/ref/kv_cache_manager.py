@@ -57,6 +57,7 @@ class KVCacheManager:
         Does not take the blocks yet; :meth:`allocate_slots` does, if the
         request is admitted.
         """
+        # BEGIN SOLUTION
         if not self.enable_prefix_caching:
             return [], 0
         block_hashes = hash_request_tokens(self.block_size, request.all_token_ids)
@@ -65,6 +66,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = self.block_allocator.lookup_cached_blocks(block_hashes[:max_hit_blocks])
         return hits, len(hits) * self.block_size
+        # END SOLUTION
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
@@ -80,6 +82,7 @@ class KVCacheManager:
         Returns the newly allocated block ids (possibly empty), or None, in
         which case nothing changed.
         """
+        # BEGIN SOLUTION
         req_id = request.request_id
         allocator = self.block_allocator
         is_new = not self._has_table(req_id)
@@ -101,9 +104,11 @@ class KVCacheManager:
         self.block_tables.append_blocks(req_id, list(new_computed_blocks) + new_blocks)
         self._cache_full_blocks(request, num_total_tokens)
         return new_blocks
+        # END SOLUTION
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s blocks (last first, so they are evicted first)."""
+        # BEGIN SOLUTION
         req_id = request.request_id
         if self._has_table(req_id):
             blocks = self.block_tables.get_block_ids(req_id)
@@ -111,6 +116,7 @@ class KVCacheManager:
             self.block_tables.remove_request(req_id)
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
+        # END SOLUTION
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in logical order ([] if it holds none)."""
@@ -120,6 +126,7 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_total_tokens: int) -> None:
         """Enter the request's newly full blocks (tokens known after this step) in the cache."""
+        # BEGIN SOLUTION
         if not self.enable_prefix_caching:
             return
         req_id = request.request_id
@@ -137,6 +144,7 @@ class KVCacheManager:
                 block_hashes.append(hash_block_tokens(parent, tokens))
             self.block_allocator.cache_full_block(blocks[i], block_hashes[i])
         self.num_cached_blocks[req_id] = num_full_blocks
+        # END SOLUTION
 
     def _has_table(self, req_id: str) -> bool:
         return req_id in self.num_cached_blocks

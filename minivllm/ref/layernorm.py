@@ -21,11 +21,13 @@ def rms_norm(
     eps: float,
 ) -> torch.Tensor:
     """RMS-normalise each row of ``x`` and scale by ``weight``."""
+    # BEGIN SOLUTION
     dtype = x.dtype
     x32 = x.float()
     variance = x32.pow(2).mean(dim=-1, keepdim=True)
     x32 = x32 * torch.rsqrt(variance + eps)
     return weight * x32.to(dtype)
+    # END SOLUTION
 
 
 def fused_add_rms_norm(
@@ -39,5 +41,7 @@ def fused_add_rms_norm(
     The second output is the new residual stream. Implementations may write
     into ``x`` and ``residual``; callers must not reuse them afterwards.
     """
+    # BEGIN SOLUTION
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+    # END SOLUTION

@@ -23,6 +23,7 @@ import torch
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     # x: (T, H, rotary_dim); cos/sin: (T, 1, rotary_dim // 2)
+    # BEGIN SOLUTION
     if is_neox:
         x1, x2 = x.chunk(2, dim=-1)
     else:
@@ -32,6 +33,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     if is_neox:
         return torch.cat((o1, o2), dim=-1)
     return torch.stack((o1, o2), dim=-1).flatten(-2)
+    # END SOLUTION
 
 
 def apply_rotary_emb(
@@ -45,6 +47,7 @@ def apply_rotary_emb(
 
     Implementations may rotate in place; callers use the returned tensors.
     """
+    # BEGIN SOLUTION
     rotary_dim = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # (T, rotary_dim // 2) each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -53,3 +56,4 @@ def apply_rotary_emb(
         rot = _rotate(x[..., :rotary_dim].float(), cos, sin, is_neox_style).to(x.dtype)
         out.append(torch.cat((rot, x[..., rotary_dim:]), dim=-1))
     return out[0], out[1]
+    # END SOLUTION
