@@ -42,6 +42,7 @@ class TaskResult:
     tests: int = 0
     passed: int = 0
     failed: int = 0
+    skipped: int = 0
     seconds: float = 0.0
     failures: list[dict[str, str]] = field(default_factory=list)
 
@@ -95,6 +96,8 @@ def score(tasks: list[Task], report: dict) -> list[TaskResult]:
                 r.failures.append({"test": nodeid, "message": entry["message"]})
             elif entry["outcome"] == "passed":
                 r.passed += 1
+            else:
+                r.skipped += 1
         for where, message in report.get("collect_errors", {}).items():
             if where == "pytest" or any(p.split("::")[0] == where for p in task.tests):
                 r.failures.append({"test": where, "message": f"collection error: {message}"})
@@ -105,12 +108,13 @@ def score(tasks: list[Task], report: dict) -> list[TaskResult]:
     return results
 
 
-def format_table(results: list[TaskResult], max_failures: int = 3) -> str:
+def format_table(results: list[TaskResult], max_failures: int = 2) -> str:
     """The score table, failures underneath, ``score: X/Y`` as the last line."""
-    lines = [f"{'#':>2}  {'task':<20} {'tests':>5} {'passed':>7} {'time':>7}  points"]
+    lines = [f"{'#':>2}  {'task':<20} {'tests':>5} {'passed':>7} {'skipped':>7} {'time':>7}  points"]
     for r in results:
-        lines.append(f"{r.number:>2}  {r.name:<20} {r.tests:>5} {r.passed:>3}/{r.tests:<3} "
-                     f"{r.seconds:>6.1f}s  {r.score:>2}/{r.points}")
+        run = r.tests - r.skipped
+        lines.append(f"{r.number:>2}  {r.name:<20} {r.tests:>5} {r.passed:>3}/{run:<3} "
+                     f"{r.skipped:>7} {r.seconds:>6.1f}s  {r.score:>2}/{r.points}")
     failing = [r for r in results if r.failures]
     if failing:
         lines.append("")

@@ -167,28 +167,41 @@ class SelfCheckResult:
     evidence: str
 
 
-def selfcheck(names: list[str] | None = None, tasks: list[str] | None = None,
-              log=print) -> list[SelfCheckResult]:
-    """Grade every mutant (or those named / of those tasks) on its task; report each."""
+def _check_one(mutant: Mutant, tmp: str) -> SelfCheckResult:
     from minivllm.course.grade import run_tests, score
 
+    task = get_task(mutant.task)
+    start = time.perf_counter()
+    report, _ = run_tests(f"mutant_{mutant.name}", [task], pythonpath=[tmp], stop_early=True)
+    (result,) = score([task], report)
+    evidence = result.failures[0]["message"] if result.failures else "all tests passed"
+    return SelfCheckResult(mutant, result.score == 0, time.perf_counter() - start,
+                           " ".join(evidence.split())[:200])
+
+
+def selfcheck(names: list[str] | None = None, tasks: list[str] | None = None, jobs: int = 2,
+              log=print) -> list[SelfCheckResult]:
+    """Grade every mutant (or those named / of those tasks) on its task; report each.
+
+    ``jobs`` mutants are graded at once (each in its own pytest process).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     chosen = [m for m in MUTANTS if (not names or m.name in names)
               and (not tasks or m.task in tasks)]
     if names and len(chosen) != len(set(names)):
         known = ", ".join(m.name for m in MUTANTS)
         raise ValueError(f"unknown mutant in {names}; the mutants are: {known}")
-    results = []
+    for name in tasks or []:
+        get_task(name)  # a clear error for an unknown task
     with tempfile.TemporaryDirectory(prefix="minivllm-mutants-") as tmp:
         for mutant in chosen:
-            task = get_task(mutant.task)
-            start = time.perf_counter()
-            package = build(mutant, Path(tmp))
-            report, _ = run_tests(package, [task], pythonpath=[tmp], stop_early=True)
-            (result,) = score([task], report)
-            caught = result.score == 0
-            evidence = result.failures[0]["message"] if result.failures else "all tests passed"
-            results.append(SelfCheckResult(mutant, caught, time.perf_counter() - start,
-                                           " ".join(evidence.split())[:200]))
-            log(f"{'caught  ' if caught else 'SURVIVED'} {mutant.task:<18} {mutant.name:<28} "
-                f"{results[-1].seconds:5.1f}s  {results[-1].evidence[:90]}")
+            build(mutant, Path(tmp))
+        with ThreadPoolExecutor(jobs) as pool:
+            results = list(pool.map(lambda m: _check_one(m, tmp), chosen))
+    for r in results:
+        log(f"{'caught  ' if r.caught else 'SURVIVED'} {r.mutant.task:<18} {r.mutant.name:<32} "
+            f"{r.seconds:5.1f}s  {r.evidence[:80]}")
     return results
