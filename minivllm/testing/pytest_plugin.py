@@ -59,9 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if spec != "ref" and not _has_cuda():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from minivllm import backend
-    from minivllm.testing import strategies  # noqa: F401  (registers hypothesis profiles)
-
     from minivllm.course.manifest import TASKS
+    from minivllm.testing import strategies  # noqa: F401  (registers hypothesis profiles)
 
     backend.set_backend(spec)
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
