@@ -76,3 +76,27 @@ def test_gqa_chunk_over_a_cached_prefix_and_decodes(heads):
                         f"(reads KV head {h // (heads[0] // heads[1])}): {m}"))
             row += 1
     assert_close(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches(seed):
+    """Random mixes of decodes, fresh prefills and chunks over cached prefixes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    num_kv_heads, group = pick([1, 2, 3]), pick([1, 2, 4])
+    head_dim, block_size = pick([8, 24, 40]), pick([1, 3, 8, 16])
+    seqs = []
+    for _ in range(pick([1, 2, 4, 5])):
+        q_len = pick([1, 1, 2, 7, 13])
+        seqs.append((q_len, q_len + pick([0, 1, block_size - 1, block_size, 21])))
+    heads = (num_kv_heads * group, num_kv_heads)
+    query, k_cache, v_cache, md, tables = _batch(seqs, *heads, head_dim, block_size, seed)
+    scale = head_dim**-0.5
+    out = backend.get("attention").paged_attention(
+        query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), md.to(DEVICE), scale).cpu()
+    want = _oracle(query, k_cache, v_cache, seqs, tables, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4, msg=lambda m: (
+        f"seqs (query_len, seq_len) = {seqs}, heads {heads}, block_size {block_size}: {m}"))
