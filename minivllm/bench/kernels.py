@@ -17,6 +17,9 @@ checks that both give the same values, and reports:
 - fused add + RMSNorm, RMSNorm, SiLU-and-mul, RoPE and the cache write:
   speed-up over the ref and GB/s from the minimum bytes each must move.
 
+``--backend PKG`` times an import path (a course student's package) in the
+fast twin's place, against the ref: the course leaderboard.
+
 Without CUDA it says so for the kernels (the interpreter measures nothing
 useful about speed) and runs the host-side benchmark
 (``minivllm.bench.host``) if that module exists; ``--tiny`` instead runs every
@@ -227,11 +230,20 @@ def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
-def run_kernels(device: str, shapes: dict) -> dict:
-    """Every case on ``device``: CUDA (compiled), or CPU under the interpreter (--tiny)."""
+def run_kernels(device: str, shapes: dict, package: str | None = None) -> dict:
+    """Every case on ``device``: CUDA (compiled), or CPU under the interpreter (--tiny).
+
+    ``package`` (an import path, e.g. a course student's package) takes the fast
+    twin's place: the leaderboard times it against the ref.
+    """
     ref = {n: importlib.import_module(f"minivllm.ref.{n}") for n in
            ("attention", "layernorm", "activation", "rotary", "cache_write")}  # fmt: skip
-    fast = {n: importlib.import_module(f"minivllm.fast.{n}") for n in ref}
+    if package:
+        from minivllm import backend
+
+        fast = {n: backend.get(n, package) for n in ref}
+    else:
+        fast = {n: importlib.import_module(f"minivllm.fast.{n}") for n in ref}
     bw = copy_bandwidth(device, shapes["copy_bytes"])
     rows = []
     cases = [
@@ -256,10 +268,11 @@ def run_kernels(device: str, shapes: dict) -> dict:
     name = "cpu (interpreter, correctness only)"
     if device == "cuda":
         name = torch.cuda.get_device_name()
-    return dict(cuda=device == "cuda", device=name, copy_GBps=bw / 1e9, rows=rows, errors=errors)
+    return dict(cuda=device == "cuda", device=name, copy_GBps=bw / 1e9, rows=rows, errors=errors,
+                candidate=package or "fast")
 
 
-def run_cpu() -> dict:
+def run_cpu(package: str | None = None) -> dict:
     print("No CUDA device: the Triton kernels need a GPU to be timed (Triton's interpreter\n"
           "only checks correctness: `pytest --backend=fast tests/test_attention.py`).")  # fmt: skip
     result = dict(cuda=False, device="cpu", rows=[], errors={})
@@ -270,7 +283,7 @@ def run_cpu() -> dict:
         return result
     if hasattr(host, "main"):
         print("Running the host-side benchmark (python -m minivllm.bench host):")
-        host.main([])
+        host.main(["--backend", package] if package else [])
         result["host"] = "ran minivllm.bench.host (see its own output/JSON)"
     return result
 
@@ -280,7 +293,8 @@ def print_table(result: dict) -> None:
         return
     print(f"\nminivllm bench kernels on {result['device']}; measured copy bandwidth "
           f"{result['copy_GBps']:.0f} GB/s")  # fmt: skip
-    print(f"{'kernel':<20}{'ref ms':>9}{'fast ms':>9}{'speed-up':>10}{'fast GB/s':>11}  notes")
+    who = result.get("candidate", "fast")[:10]
+    print(f"{'kernel':<20}{'ref ms':>9}{who + ' ms':>14}{'speed-up':>10}{who + ' GB/s':>16}  notes")
     for r in result["rows"]:
         notes = []
         if "bandwidth_fraction" in r:
@@ -290,8 +304,8 @@ def print_table(result: dict) -> None:
                          f"({r['fast_TFLOPs']:.0f} vs {r['sdpa_TFLOPs']:.0f} TFLOP/s)")  # fmt: skip
         notes.append(f"max err {r['max_abs_err']:.2g}")
         gb = f"{r['fast_GBps'] / 1e9:.0f}" if "fast_GBps" in r else "-"
-        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>9.3f}{r['speedup']:>9.1f}x"
-              f"{gb:>11}  {'; '.join(notes)}")  # fmt: skip
+        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>14.3f}{r['speedup']:>9.1f}x"
+              f"{gb:>16}  {'; '.join(notes)}")  # fmt: skip
 
 
 def plot(result: dict, path: Path) -> None:
@@ -332,18 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="without CUDA: run every case on tiny shapes in Triton's interpreter "
                    "(checks the benchmark code; the times mean nothing)")  # fmt: skip
+    p.add_argument("--backend", default=None, metavar="PKG",
+                   help="time this import path (e.g. a course student package) in the fast "
+                   "twin's place: the leaderboard")  # fmt: skip
     args = p.parse_args(argv)
     if torch.cuda.is_available():
-        result = run_kernels("cuda", SHAPES["full"])
+        result = run_kernels("cuda", SHAPES["full"], args.backend)
     elif args.tiny:
         import os
 
         if "triton" in __import__("sys").modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before Triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-        result = run_kernels("cpu", SHAPES["tiny"])
+        result = run_kernels("cpu", SHAPES["tiny"], args.backend)
     else:
-        result = run_cpu()
+        result = run_cpu(args.backend)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -212,3 +212,12 @@ def test_selfcheck_catches_every_mutant(ref_only):
     results = mutants.selfcheck(jobs=2, log=lambda line: None)
     survived = [f"{r.mutant.name} ({r.mutant.task})" for r in results if not r.caught]
     assert not survived, f"mutants that pass their task's tests: {survived}"
+
+
+def test_host_leaderboard_times_a_package(tmp_path, monkeypatch):
+    from minivllm.bench import host
+
+    student.make_student(tmp_path, "kit_board", solution=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (row,) = [r for r in host.run((8,), 0.1, "kit_board") if r["component"] == "scheduler"]
+    assert row["package_ms"] > 0 and row["package_speedup"] > 0
