@@ -19,7 +19,7 @@ Tests are never edited to belong to a task; the manifest attaches them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from minivllm.backend import COMPONENTS
 
@@ -174,7 +174,7 @@ _TASKS = (
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.
 TASKS: tuple[Task, ...] = tuple(
-    Task(**{**t.__dict__, "number": i}) for i, t in enumerate(_TASKS, start=1)
+    replace(t, number=i) for i, t in enumerate(_TASKS, start=1)
 )
 
 #: Kernel tasks planned from ``minivllm/fast`` (stubs keep the launch code): the Triton

@@ -126,6 +126,7 @@ def _select_tasks(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = selected
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m task_<name>` needs the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         _select_tasks(config, items)

@@ -221,3 +221,26 @@ def test_host_leaderboard_times_a_package(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     (row,) = [r for r in host.run((8,), 0.1, "kit_board") if r["component"] == "scheduler"]
     assert row["package_ms"] > 0 and row["package_speedup"] > 0
+
+
+def test_extra_tests_join_their_task(tmp_path, ref_only):
+    student.make_student(tmp_path, "kit_extra", solution=True)
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "test_task_silu_and_mul.py").write_text("def test_by_file_name():\n    pass\n")
+    (private / "test_hidden.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.task_silu_and_mul
+        def test_by_marker():
+            assert False, "the instructor's hidden check"
+
+        def test_of_no_task():
+            assert False, "not graded"
+    """))
+    results, table = grading.grade("kit_extra", ["silu_and_mul"], extra_tests=[str(private)],
+                                   pythonpath=[tmp_path])
+    (r,) = results
+    assert r.score == 0 and r.failed == 1 and r.passed == r.tests - 1
+    assert "the instructor's hidden check" in r.failures[0]["message"]
+    assert "not graded" not in table
