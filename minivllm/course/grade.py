@@ -158,7 +158,7 @@ def grade(package: str, task_names: list[str] | None = None, *, extra_tests: lis
           pythonpath: list[str] = (), json_path: str | None = None,
           junit_path: str | None = None, repo: Path = REPO_ROOT) -> tuple[list[TaskResult], str]:
     """Grade ``package`` on the named tasks (all by default); return (results, the table)."""
-    tasks = [get_task(n) for n in task_names] if task_names else list(TASKS)
+    tasks = sorted({get_task(n) for n in task_names}, key=lambda t: t.number) if task_names else list(TASKS)
     start = time.perf_counter()
     report, _ = run_tests(package, tasks, extra_tests=extra_tests, pythonpath=pythonpath,
                           repo=repo)
