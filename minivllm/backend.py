@@ -14,8 +14,8 @@ A *backend spec* says which implementation to use:
 
 - ``"ref"`` / ``"fast"``: every component from that package.
 - ``"auto"``: fast where it runs natively, ref otherwise. Host-side components
-  (allocator, block tables, scheduler) are plain Python/torch and always run
-  fast; kernel components need Triton on a CUDA device.
+  (allocator, KV cache manager, scheduler, block tables) are plain
+  Python/torch and always run fast; kernel components need Triton on a CUDA device.
 - an import path such as ``"mypkg.my_kernels"``: a package or module that
   provides *some* components, as submodules or attributes named after them
   (``mypkg.my_kernels.attention``). Those override the default; the others
@@ -44,8 +44,9 @@ from collections.abc import Iterator, Mapping
 #: twin is a Triton kernel that needs CUDA, or Triton's interpreter on a CPU).
 COMPONENTS: dict[str, str] = {
     "block_allocator": "host",
-    "block_table": "host",
+    "kv_cache_manager": "host",
     "scheduler": "host",
+    "block_table": "host",
     "linear": "host",
     "cache_write": "kernel",
     "attention": "kernel",

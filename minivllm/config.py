@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks needed for ``a`` tokens with ``b`` tokens per block."""
+    return -(-a // b)
+
+
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")

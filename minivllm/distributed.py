@@ -116,26 +116,26 @@ def get_control_group() -> dist.ProcessGroup | None:
 
 @dataclass
 class CollectiveStats:
-    """Wall time spent in collectives since the last reset."""
+    """Wall time spent in collectives since the last reset, and whether it is being recorded."""
 
     calls: int = 0
     seconds: float = 0.0
     bytes: int = 0
+    enabled: bool = False
 
 
+#: Part of the group's state: this process's collective counters (off by default).
 _STATS = CollectiveStats()
-_TIMING = False
 
 
 def enable_collective_timing(enabled: bool = True) -> None:
     """Record the wall time of every collective (costs a device sync on CUDA)."""
-    global _TIMING
-    _TIMING = enabled
+    _STATS.enabled = enabled
 
 
 def get_collective_stats() -> CollectiveStats:
     """A copy of the counters."""
-    return CollectiveStats(_STATS.calls, _STATS.seconds, _STATS.bytes)
+    return CollectiveStats(_STATS.calls, _STATS.seconds, _STATS.bytes, _STATS.enabled)
 
 
 def reset_collective_stats() -> None:
@@ -144,7 +144,7 @@ def reset_collective_stats() -> None:
 
 
 def _timed(fn, x: torch.Tensor):  # noqa: ANN001, ANN202  (a tiny wrapper)
-    if not _TIMING:
+    if not _STATS.enabled:
         return fn()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)  # do not bill the collective for earlier kernels
@@ -167,7 +167,7 @@ def _require_group() -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             f"tensor parallelism with tp_size={_TP_SIZE} needs init_distributed() in every rank "
-            "(minivllm.engine.executor.MultiprocExecutor does it)"
+            "(minivllm.engine.multiproc_executor.MultiprocExecutor does it)"
         )
 
 

@@ -1,8 +1,10 @@
 """The small dataclasses that carry one step's data down the pipeline.
 
-request -> scheduler -> :class:`SchedulerOutput` -> model runner ->
-:class:`AttentionMetadata` (+ input ids, positions) -> model -> logits ->
-sampler -> sampled tokens -> scheduler.update_from_output.
+request -> scheduler -> :class:`SchedulerOutput` (who runs, new block ids) ->
+model runner -> :class:`StepInput` (sent to every rank) -> worker (applies the
+block-table changes to its own table) -> :class:`ModelInput` with its
+:class:`AttentionMetadata` -> model -> logits -> sampler -> sampled tokens ->
+scheduler.update_from_output.
 
 Metadata is always passed as an explicit argument, never through global state.
 """
@@ -33,9 +35,21 @@ class SchedulerOutput:
             ``update_from_output``, after the forward pass).
         total_num_scheduled_tokens: sum of ``num_scheduled_tokens``.
         preempted_req_ids: requests preempted this step (blocks freed, sent
-            back to the front of the waiting queue).
+            back to the front of the waiting queue; the workers drop their rows,
+            and give them new ones when they are admitted again).
         finished_req_ids: requests that finished or were aborted since the
-            last step (the model runner drops their per-request state).
+            last step (the workers drop their block-table rows).
+        new_req_ids: the scheduled requests admitted this step (new, or
+            resumed after a preemption): the worker gives each a new row in
+            its block table.
+        new_block_ids: request_id -> KV block ids appended to that request's
+            block table this step, for every scheduled request (often ``[]``
+            for a decode); for a request in ``new_req_ids``, all of its blocks
+            (prefix-cache hits first). With ``preempted_req_ids`` and
+            ``finished_req_ids`` (whose rows are dropped) this is everything a
+            worker needs to keep its own block table in step with the
+            scheduler, as vLLM v1's ``NewRequestData.block_ids`` and
+            ``CachedRequestData.new_block_ids`` do.
         num_prefix_cache_queries: tokens of the requests admitted this step
             that were looked up in the prefix cache.
         num_prefix_cache_hits: of those, tokens found there (not recomputed).
@@ -46,12 +60,67 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    new_req_ids: list[str] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
 
     @property
     def is_empty(self) -> bool:
+        """True if no token is computed this step."""
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def removed_req_ids(self) -> list[str]:
+        """Requests whose block-table rows go away: finished, aborted or preempted."""
+        return [*self.finished_req_ids, *self.preempted_req_ids]
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step's batch as rank 0 sends it to every rank: host-side, no block tables.
+
+    The engine's :class:`~minivllm.engine.model_runner.ModelRunner` builds it
+    from a :class:`SchedulerOutput`; each rank's
+    :class:`~minivllm.engine.worker.Worker` first applies the block-table
+    changes to its own table (drop ``removed_req_ids``, add a row for each of
+    ``new_req_ids``, append ``new_block_ids``), then builds the step's
+    :class:`ModelInput` (block tables and slot mapping from that table).
+    Under tensor parallelism this object is what goes over the wire
+    (:mod:`minivllm.engine.wire`), so its size does not grow with the
+    requests' lengths, only with what changed.
+
+    Attributes:
+        req_ids: the scheduled requests, in batch order.
+        new_req_ids: of those, the ones without a row yet (admitted this step).
+        new_block_ids: per scheduled request (``req_ids`` order), the block
+            ids to append to its row.
+        removed_req_ids: finished, aborted or preempted since the last step;
+            their rows are dropped first (ids without a row are ignored: a
+            request aborted while it waited never had one).
+        query_lens: new tokens of each scheduled request this step.
+        seq_lens: context length of each after this step (so its positions
+            are ``seq_len - query_len .. seq_len - 1``).
+        input_ids: ``(num_tokens,)`` int64 CPU tensor, the flattened batch.
+        positions: ``(num_tokens,)`` int64 CPU tensor.
+        logits_indices: ``(num_sampled,)`` int64 CPU tensor, the rows whose
+            next-token logits are needed.
+    """
+
+    req_ids: tuple[str, ...]
+    new_req_ids: frozenset[str]
+    new_block_ids: tuple[tuple[int, ...], ...]
+    removed_req_ids: tuple[str, ...]
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step (0: only block-table changes)."""
+        return self.input_ids.numel()
 
 
 @dataclass(frozen=True)
@@ -148,11 +217,12 @@ class AttentionMetadata:
         return tuple(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInput:
-    """Everything one forward pass needs, built by the model runner from a
-    :class:`SchedulerOutput`. On tensor-parallel runs rank 0 builds it and
-    broadcasts it to the other ranks.
+    """Everything one forward pass needs, on one rank's device.
+
+    Each rank's :class:`~minivllm.engine.worker.Worker` builds it from a
+    :class:`StepInput` and its own block table, once per step.
 
     Attributes:
         input_ids: ``(num_tokens,)`` int64, the flattened batch.

@@ -16,14 +16,16 @@ a partly filled block will still change.
 The hashes must be the same in every process (the engine may restart, tensor-
 parallel ranks must agree), so Python's ``hash()`` of a ``str`` (salted per
 process) is out; we take the first 8 bytes of a SHA-256 digest, as vLLM's
-``sha256`` prefix-caching option does. Both twins of the block allocator and of
+``sha256`` prefix-caching option does. The bytes hashed are fixed too: the
+parent hash and each token id as an unsigned 64-bit *little-endian* integer,
+whatever the machine's native byte order. Both twins of the block allocator and of
 the scheduler use this module, so they always agree on names.
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Sequence
 
 #: The "parent hash" of a request's first block: a fixed, documented seed.
@@ -39,8 +41,9 @@ def hash_block_tokens(parent_block_hash: int | None, token_ids: Sequence[int]) -
         token_ids: the block's token ids (non-negative ints).
     """
     parent = NONE_HASH if parent_block_hash is None else parent_block_hash
-    # 'Q' = unsigned 64-bit: a fixed-width, platform-independent encoding.
-    payload = array("Q", [parent, *token_ids]).tobytes()
+    # '<' = little-endian, 'Q' = unsigned 64-bit: the same bytes on every machine
+    # (a plain array("Q") would use the host's native byte order).
+    payload = struct.pack(f"<{1 + len(token_ids)}Q", parent, *token_ids)
     return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
 
 

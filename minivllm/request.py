@@ -57,6 +57,11 @@ class Request:
         status: a :class:`RequestStatus`.
         stop_reason: the stop string or token id that ended it, if any.
         num_preemptions: how often it was preempted and recomputed.
+        block_hashes: chained hashes of its full blocks computed so far
+            (:mod:`minivllm.prefix_hash`), filled in by the KV cache manager
+            when prefix caching is on. They live on the request, as in vLLM
+            v1, so they survive a preemption: a resumed request is not
+            re-hashed from its first token.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.block_hashes: list[int] = []
         # max_tokens=None means "until max_model_len"; the scheduler fills it in.
         self.max_tokens = sampling_params.max_tokens
 

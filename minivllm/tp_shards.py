@@ -1,7 +1,9 @@
 """Shard arithmetic for tensor parallelism, shared by both ``linear`` twins.
 
-Which tensor-parallel sizes split a layer evenly, how KV heads are divided or
-replicated, how the vocabulary is padded, and the weight-loading shape check.
+Which tensor-parallel sizes split a layer or a whole model evenly (the one
+``check_tp_size`` and ``valid_tp_sizes`` the executors use too), how KV heads
+are divided or replicated, how the vocabulary is padded, and the
+weight-loading shape check.
 Both :mod:`minivllm.ref.linear` (every rank simulated in one process) and
 :mod:`minivllm.fast.linear` (one process per rank) use these, so the two can
 only differ in *where* the shards live, never in how they are cut.
@@ -9,8 +11,12 @@ only differ in *where* the shards live, never in how they are cut.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from minivllm.config import cdiv
 
 
 def divisors(n: int) -> list[int]:
@@ -18,10 +24,43 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_tp_size(tp_size: int) -> None:
-    """Raise ``ValueError`` unless ``tp_size`` is a positive int."""
+def check_tp_size(tp_size: int, hf_config: Any = None) -> None:
+    """Raise ``ValueError`` unless ``tp_size`` is a positive int that splits the model.
+
+    Without ``hf_config`` only the first half is checked (a layer checks its
+    own split itself); with it, ``tp_size`` must be one of
+    :func:`valid_tp_sizes` ``(hf_config)``, and the error names the model's
+    head counts and the sizes that work.
+    """
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    if hf_config is None:
+        return
+    ok = valid_tp_sizes(hf_config)
+    if tp_size not in ok:
+        heads, kv_heads = _head_counts(hf_config)
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not split this model "
+            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
+            f"intermediate_size={hf_config.intermediate_size}); tp sizes that work: {ok}"
+        )
+
+
+def valid_tp_sizes(hf_config: Any) -> list[int]:
+    """The tensor-parallel sizes a Llama-family model (its HF config) splits evenly into.
+
+    Those :func:`qkv_tp_sizes` allows for its heads that also divide the
+    MLP's ``intermediate_size``. The vocabulary is padded
+    (:func:`vocab_partition`), so it never limits ``tp_size``.
+    """
+    heads, kv_heads = _head_counts(hf_config)
+    return [tp for tp in qkv_tp_sizes(heads, kv_heads) if hf_config.intermediate_size % tp == 0]
+
+
+def _head_counts(hf_config: Any) -> tuple[int, int]:
+    """``(num_attention_heads, num_key_value_heads)``; no KV count means multi-head."""
+    heads = hf_config.num_attention_heads
+    return heads, getattr(hf_config, "num_key_value_heads", None) or heads
 
 
 def divide(numerator: int, tp_size: int, what: str) -> int:
@@ -65,7 +104,7 @@ def vocab_partition(num_embeddings: int, tp_size: int) -> tuple[int, int]:
     """``(rows per rank, padded vocabulary size)``: the vocabulary padded to a
     multiple of ``tp_size``, so every rank holds ``ceil(vocab / tp_size)`` rows."""
     check_tp_size(tp_size)
-    per_partition = -(-num_embeddings // tp_size)
+    per_partition = cdiv(num_embeddings, tp_size)
     return per_partition, per_partition * tp_size
 
 

@@ -2,12 +2,11 @@
 
 The implementation under test (``backend.get("attention")``) runs on a paged
 cache whose unused slots are poisoned with NaN (a kernel that reads past a
-sequence's end, or through a wrong block id, returns NaN). It is compared with
-an independent oracle written here (per-sequence float64
-``scaled_dot_product_attention`` over K/V collected slot by slot) and, when
-the implementation is not the ref itself, with ``minivllm.ref.attention``
-(run on the same cache with the poison replaced by zeros: the ref's padded
-decode path multiplies masked-out padding by 0, which NaN would survive).
+sequence's end, or through a wrong block id, returns NaN). Every implementation, the ref
+included, gets the poisoned cache. It is compared with an independent oracle
+written here (per-sequence float64 ``scaled_dot_product_attention`` over K/V
+collected slot by slot) and, when the implementation is not the ref itself,
+with ``minivllm.ref.attention`` on the same cache.
 
 Run: ``pytest -q tests/test_attention.py --backend=fast`` (Triton's
 interpreter on a CPU) and ``--backend=ref``; on a GPU add ``-m cuda`` for the
@@ -95,17 +94,17 @@ def run_and_check(seqs, heads, head_dim, block_size, dtype, seed, device=DEVICE)
         seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
     )
     scale = head_dim**-0.5
-    clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    poisoned = impl is not ref_attention  # the ref's padded decode path would spread NaN
-    k_in, v_in = (k_cache, v_cache) if poisoned else (clean_k, clean_v)
     md_dev = md.to(device)
-    out = impl.paged_attention(query.to(device), k_in.to(device), v_in.to(device), md_dev, scale)
+    out = impl.paged_attention(query.to(device), k_cache.to(device), v_cache.to(device), md_dev,
+                               scale)  # fmt: skip
     out = out.cpu()
     assert out.shape == query.shape and out.dtype == dtype
-    oracle = sdpa_oracle(query, clean_k, clean_v, seqs, slots, scale)
+    # The oracle collects the valid slots itself; zeroing the poison keeps its maths NaN-free.
+    oracle = sdpa_oracle(query, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), seqs, slots,
+                         scale)  # fmt: skip
     assert_close(out, oracle, dtype, scale=1.5)
-    if poisoned:
-        assert_close(out, ref_attention.paged_attention(query, clean_k, clean_v, md, scale), dtype)
+    if impl is not ref_attention:
+        assert_close(out, ref_attention.paged_attention(query, k_cache, v_cache, md, scale), dtype)
 
 
 # ----------------------------------------------------------------------------- random batches
@@ -174,10 +173,23 @@ def test_many_partitions_merge():
 def test_rejects_bad_heads():
     impl = backend.get("attention")
     query, k_cache, v_cache, md, _ = make_batch([(2, 5)], 3, 2, 8, 4, torch.float32, seed=0)
-    if impl is ref_attention:
-        pytest.skip("the ref does not validate shapes")
     with pytest.raises(ValueError, match="num_kv_heads"):
-        impl.paged_attention(query, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), md, 1.0)
+        impl.paged_attention(query, k_cache, v_cache, md, 1.0)
+
+
+def test_rejects_metadata_of_another_batch():
+    """Metadata describes one step's batch; reusing it for another batch must fail loudly.
+
+    Step 1 is a prefill of 5 tokens; step 2 decodes one token of the same
+    sequence. Passing step 1's metadata with step 2's query would read the
+    query rows against the wrong offsets and lengths.
+    """
+    impl = backend.get("attention")
+    query, k_cache, v_cache, md_prefill, _ = make_batch([(5, 5)], 4, 2, 8, 4, torch.float32, 0)
+    decode_query = query[:1].to(DEVICE)  # one row, as the next decode step would have
+    with pytest.raises(ValueError, match="query_start_loc"):
+        impl.paged_attention(decode_query, k_cache.to(DEVICE), v_cache.to(DEVICE),
+                             md_prefill.to(DEVICE), 1.0)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- vLLM's grids

@@ -3,7 +3,11 @@
 A hypothesis state machine drives both allocators in lockstep with random
 allocations, frees, cache fills, cache look-ups and resets, and checks after
 every step that they made the same decisions and that the pool is consistent
-with an explicit list of owners. Example tests pin the prefix-cache rules.
+with an explicit list of owners (an oracle independent of the ref). Rules that
+cache a request's whole chain and share it with another request make blocks
+with ref counts above 1 common; ``test_mutants.py`` runs the machine against a
+planted bug to prove it finds what it should. Example tests pin the
+prefix-cache rules.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    multiple,
     precondition,
     rule,
 )
 
 from minivllm import backend
 from minivllm.ref import block_allocator as ref_block_allocator
+from minivllm.testing.strategies import stateful_settings
 
 
 def _impl():
@@ -45,7 +51,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.holdings: dict[int, list[int]] = {}
         self.next_owner = 0
 
-    @initialize(num_blocks=st.integers(1, 12), caching=st.booleans())
+    # Prefix caching on in 3 of 4 runs: that is where sharing, and its bugs, live.
+    @initialize(num_blocks=st.integers(1, 12), caching=st.sampled_from([True, True, True, False]))
     def make(self, num_blocks: int, caching: bool) -> None:
         self.impl = _impl()(num_blocks, 4, enable_prefix_caching=caching)
         self.ref = ref_block_allocator.BlockAllocator(num_blocks, 4, caching)
@@ -84,6 +91,38 @@ class AllocatorMachine(RuleBasedStateMachine):
         if index < len(blocks):
             self.impl.cache_full_block(blocks[index], block_hash)
             self.ref.cache_full_block(blocks[index], block_hash)
+
+    @rule(owner=owners, first_hash=hashes)
+    def cache_chain(self, owner: int, first_hash: int) -> None:
+        """Cache all of an owner's blocks, as a request does once its prompt is computed."""
+        for i, block in enumerate(self.holdings.get(owner, [])):
+            self.impl.cache_full_block(block, first_hash + i)
+            self.ref.cache_full_block(block, first_hash + i)
+
+    @rule(target=owners, owner=owners)
+    def share_prefix(self, owner: int) -> int:
+        """A second request with the same prefix hits the owner's cached, held blocks."""
+        chain = []
+        for block in self.holdings.get(owner, []):
+            block_hash = self.ref.get_block_hash(block)
+            if block_hash is None:
+                break
+            chain.append(block_hash)
+        got = self.impl.get_cached_blocks(chain)
+        assert got == self.ref.get_cached_blocks(chain)
+        # Each hash in the chain names exactly the owner's block: all of them must hit.
+        assert got == self.holdings[owner][: len(chain)]
+        return self._new_owner(got)
+
+    @rule(target=owners, n=st.integers(1, 4), first_hash=hashes, copies=st.integers(1, 3))
+    def system_prompt(self, n: int, first_hash: int, copies: int):
+        """One request computes a prefix of ``n`` blocks; ``copies`` more requests share it."""
+        if n > self.ref.num_free_blocks:
+            return multiple()
+        first = self._new_owner(self.impl.allocate(n))
+        assert self.holdings[first] == self.ref.allocate(n)
+        self.cache_chain(first, first_hash)
+        return multiple(first, *(self.share_prefix(first) for _ in range(copies)))
 
     @rule(target=owners, chain=st.lists(hashes, max_size=4))
     def get_cached_blocks(self, chain: list[int]) -> int:
@@ -132,6 +171,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = stateful_settings(max_examples=100, step_count=50)
 
 
 # -- example tests: the prefix-cache rules -------------------------------------------------

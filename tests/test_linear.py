@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from minivllm import backend
@@ -39,6 +39,13 @@ POOL_SIZE = 2
 # Cases: a layer spec, its full (dense) weights and an input
 # --------------------------------------------------------------------------
 
+#: The yes/no choices a case makes, one per field (each used by some kinds only):
+#: ``gather_output`` (column: all-gather the output), ``kv_divides`` (qkv: the KV
+#: heads are a multiple of tp, else fewer and replicated), ``fused_load`` (merged,
+#: qkv: load the fused checkpoint tensor with ``shard_id=None``, else one tensor
+#: per sub-layer), ``full_input`` (row: ``input_is_parallel=False``).
+CASE_SWITCHES = ("gather_output", "kv_divides", "fused_load", "full_input")
+
 
 def make_case(kind: str, tp: int, k: dict[str, int], bias: bool, seed: int) -> dict[str, Any]:
     """A random case whose split sizes are multiples of ``tp`` (``k`` = per-rank counts)."""
@@ -48,7 +55,8 @@ def make_case(kind: str, tp: int, k: dict[str, int], bias: bool, seed: int) -> d
         return torch.randn(*shape, generator=g)
 
     T, d_in = k["tokens"], k["in"]
-    case: dict[str, Any] = {"kind": kind, "tp": tp, "bias": bias, "flag": bool(k["flag"])}
+    case: dict[str, Any] = {"kind": kind, "tp": tp, "bias": bias,
+                            **{name: bool(k[name]) for name in CASE_SWITCHES}}
     if kind == "column":
         n = tp * k["out"]
         case.update(sizes=(d_in, n), w=rand(n, d_in), b=rand(n), x=rand(T, d_in))
@@ -58,7 +66,7 @@ def make_case(kind: str, tp: int, k: dict[str, int], bias: bool, seed: int) -> d
                     b=[rand(o) for o in outs], x=rand(T, d_in))
     elif kind == "qkv":
         # kv heads: either a multiple of tp, or a divisor of tp (replicated)
-        n_kv = tp * k["kv"] if k["flag"] else max(1, tp // 2 ** (k["kv"] % 3))
+        n_kv = tp * k["kv"] if k["kv_divides"] else max(1, tp // 2 ** (k["kv"] % 3))
         n_q = n_kv * k["group"] * max(1, tp // n_kv)
         D = k["head"]
         case.update(sizes=(d_in, D, n_q, n_kv), w=[rand(n_q * D, d_in), rand(n_kv * D, d_in),
@@ -97,7 +105,7 @@ def expected_on_rank(case: dict[str, Any], full: torch.Tensor, rank: int) -> tor
         return t[..., rank * n // tp : (rank + 1) * n // tp]
 
     if kind == "column":
-        return full if case["flag"] else part(full, full.shape[-1])
+        return full if case["gather_output"] else part(full, full.shape[-1])
     if kind == "merged":
         return torch.cat([part(p, p.shape[-1]) for p in full.split(case["sizes"][1], -1)], -1)
     if kind == "qkv":
@@ -120,10 +128,11 @@ def expected_on_rank(case: dict[str, Any], full: torch.Tensor, rank: int) -> tor
 
 def build_and_run(mod: Any, case: dict[str, Any], rank: int) -> torch.Tensor | None:
     """Build ``case``'s layer from ``mod``, load the FULL weights, run the forward."""
-    kind, tp, bias, flag = case["kind"], case["tp"], case["bias"], case["flag"]
+    kind, tp, bias = case["kind"], case["tp"], case["bias"]
     x = case["x"]
     if kind == "column":
-        layer = mod.ColumnParallelLinear(*case["sizes"], bias=bias, gather_output=flag, tp_size=tp)
+        layer = mod.ColumnParallelLinear(*case["sizes"], bias=bias,
+                                         gather_output=case["gather_output"], tp_size=tp)
         layer.weight.weight_loader(layer.weight, case["w"])
         if bias:
             layer.bias.weight_loader(layer.bias, case["b"])
@@ -136,18 +145,18 @@ def build_and_run(mod: Any, case: dict[str, Any], rank: int) -> torch.Tensor | N
             ids = ["q", "k", "v"]
         params = [(layer.weight, case["w"])] + ([(layer.bias, case["b"])] if bias else [])
         for param, pieces in params:
-            if flag:  # the fused tensor at once (shard_id=None)
+            if case["fused_load"]:  # the fused tensor at once (shard_id=None)
                 param.weight_loader(param, torch.cat(pieces))
             else:  # one checkpoint tensor per sub-layer
                 for shard_id, piece in zip(ids, pieces):
                     param.weight_loader(param, piece, shard_id)
     elif kind == "row":
-        layer = mod.RowParallelLinear(*case["sizes"], bias=bias, input_is_parallel=not flag,
-                                      tp_size=tp)
+        layer = mod.RowParallelLinear(*case["sizes"], bias=bias,
+                                      input_is_parallel=not case["full_input"], tp_size=tp)
         layer.weight.weight_loader(layer.weight, case["w"])
         if bias:
             layer.bias.weight_loader(layer.bias, case["b"])
-        if not flag and not getattr(mod, "SIMULATES_ALL_RANKS", False):
+        if not case["full_input"] and not getattr(mod, "SIMULATES_ALL_RANKS", False):
             n = x.shape[-1] // tp
             x = x[..., rank * n : (rank + 1) * n]  # what the column layer before left here
     elif kind == "embedding":
@@ -256,7 +265,8 @@ def check(case: dict[str, Any], pool: Pool | None) -> None:
 sizes = st.fixed_dictionaries({
     "tokens": st.integers(1, 9), "in": st.integers(1, 37), "out": st.integers(1, 7),
     "out2": st.integers(1, 5), "kv": st.integers(1, 3), "group": st.integers(1, 3),
-    "head": st.sampled_from([1, 3, 8]), "vocab": st.integers(1, 53), "flag": st.integers(0, 1),
+    "head": st.sampled_from([1, 3, 8]), "vocab": st.integers(1, 53),
+    **{name: st.booleans() for name in CASE_SWITCHES},
 })
 KINDS = ["column", "merged", "qkv", "row", "embedding", "lm_head"]
 
@@ -273,11 +283,12 @@ def test_parallel_layer_matches_dense(kind: str, tp: int, k: dict[str, int], bia
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_layer_at_the_pool_size(kind: str, pool: Any) -> None:
     """Each layer at least once with real sharding (hypothesis may not draw every pair)."""
-    k = dict(tokens=5, **{"in": 13}, out=3, out2=2, kv=1, group=2, head=3, vocab=29, flag=0)
+    k = dict(tokens=5, **{"in": 13}, out=3, out2=2, kv=1, group=2, head=3, vocab=29,
+             **dict.fromkeys(CASE_SWITCHES, False))
     tp = 4 if SIMULATED else POOL_SIZE
     check(make_case(kind, tp, k, bias=kind != "embedding", seed=7), pool)
     if kind == "qkv":  # and with every KV head replicated (1 KV head, tp ranks)
-        check(make_case(kind, tp, dict(k, flag=0, kv=2), bias=True, seed=8), pool)
+        check(make_case(kind, tp, dict(k, kv=2), bias=True, seed=8), pool)
 
 
 def _divisors(n: int) -> list[int]:
@@ -286,8 +297,7 @@ def _divisors(n: int) -> list[int]:
 
 @given(n=st.integers(1, 40), tp=st.integers(2, 8))
 def test_uneven_split_is_refused_with_the_sizes_that_work(n: int, tp: int) -> None:
-    if n % tp == 0:
-        return
+    assume(n % tp != 0)
     ok = str(_divisors(n))
     with pytest.raises(ValueError, match="tp sizes that work") as e:
         linear.ColumnParallelLinear(4, n, tp_size=tp)
@@ -332,3 +342,32 @@ def test_tied_embedding_and_lm_head_share_a_layout() -> None:
     embed.weight.weight_loader(embed.weight, w)
     h = torch.randn(3, dim)
     torch.testing.assert_close(head(h), h @ w.T)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_twins_contracts(kind: str) -> None:
+    """The twins' behaviour, not just their names: at tp=1 both are the dense layer,
+    output for output; at tp=2 the fast layer (rank 0 here, without a process group)
+    holds exactly rank 0's part of the ref's dense output, and their head counts
+    differ as both files document (ref: totals; fast: this rank's)."""
+    import minivllm.fast.linear as fast
+    import minivllm.ref.linear as ref
+
+    k = dict(tokens=4, **{"in": 11}, out=3, out2=2, kv=1, group=2, head=3, vocab=17,
+             **dict.fromkeys(CASE_SWITCHES, False))
+    case = make_case(kind, 1, k, bias=kind != "embedding", seed=11)
+    torch.testing.assert_close(build_and_run(fast, case, 0), build_and_run(ref, case, 0),
+                               rtol=0, atol=0)
+    if kind not in ("column", "merged", "qkv"):
+        return  # the others communicate in forward: covered by the pool above
+    case = make_case(kind, 2, dict(k, kv_divides=True), bias=True, seed=12)
+    dense_out = build_and_run(ref, case, 0)
+    torch.testing.assert_close(dense_out, dense(case), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(build_and_run(fast, case, 0),
+                               expected_on_rank(case, dense_out, 0), atol=1e-5, rtol=1e-5)
+    if kind == "qkv":
+        _, D, n_q, n_kv = case["sizes"]
+        r, f = ref.QKVParallelLinear(*case["sizes"], tp_size=2), fast.QKVParallelLinear(
+            *case["sizes"], tp_size=2)
+        assert (r.num_heads, r.num_kv_heads) == (n_q, n_kv)
+        assert (f.num_heads, f.num_kv_heads) == (n_q // 2, n_kv // 2)

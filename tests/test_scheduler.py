@@ -7,7 +7,18 @@ draws (the same tokens for both), and aborts requests, on tiny pools and
 budgets that force preemption and chunked prefill. After every rule both
 must have made the same decisions and the pool must be consistent; at the
 end every request must finish within a step limit (no hangs) and the whole
-pool must be free again. Example tests pin the individual rules.
+pool must be free again.
+
+Besides the comparison with the ref, the machine keeps oracles of its own
+(an instructor may hide the ref): it simulates the model runner's cache writes
+and checks that every computed token's K/V slot holds that token *after that
+request's own prefix* (so a prefix-cache hit on the wrong context fails), and
+that a step which preempts admits nobody. Rules drive the rare paths on
+purpose: groups of requests sharing a prefix, prompts built from a few block
+contents (the same block after different parents must not hit), and stepping
+until a preemption and then until a later admission. ``test_mutants.py`` runs
+the machine against planted bugs to prove it finds them. Example tests pin the
+individual rules.
 """
 
 from __future__ import annotations
@@ -17,12 +28,19 @@ from collections import Counter
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from minivllm import SamplingParams, backend
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.ref import scheduler as ref_scheduler
 from minivllm.request import Request, RequestStatus
+from minivllm.testing.strategies import stateful_settings
 
 EOS = 0
 PREFIXES = [list(range(100, 130)), list(range(200, 230))]  # shared system prompts
@@ -85,13 +103,17 @@ def check_pool(sched, num_blocks: int) -> None:
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / abort traffic on the scheduler under test and the ref."""
 
+    #: The scheduler class under test; None means the one the swap layer selects.
+    impl_class = None
+
     @initialize(
         block_size=st.sampled_from([1, 2, 3, 4, 16]),
         extra_blocks=st.integers(-2, 6),
         max_num_seqs=st.integers(1, 6),
-        budget=st.integers(1, 40),
+        budget=st.one_of(st.integers(1, 8), st.integers(1, 40)),  # small: chunks, tight steps
         max_model_len=st.integers(6, 40),
-        chunked=st.booleans(),
+        # Chunking on in most runs: chunks over cached, shared prefixes are where bugs hide.
+        chunked=st.sampled_from([True, True, True, False]),
         caching=st.booleans(),
         seed=st.integers(0, 2**16),
     )
@@ -109,7 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_chunked_prefill=chunked,
         )
         self.cache_config = CacheConfig(block_size, num_blocks, caching)
-        self.impl = _impl()(self.scheduler_config, self.cache_config)
+        self.impl = (self.impl_class or _impl())(self.scheduler_config, self.cache_config)
         self.ref = _make_ref(self.scheduler_config, self.cache_config)
         self.num_blocks = num_blocks
         self.rng = random.Random(seed)  # for the drain at teardown only
@@ -117,6 +139,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.accepted: list[str] = []
         self.rejected: list[str] = []
         self.prompts: list[list[int]] = []
+        # Three block contents to build prompts from (tokens 40..99, apart from the rest).
+        self.words = [[40 + 20 * k + j for j in range(block_size)] for k in range(3)]
+        # (block, offset) -> fingerprint of the whole prefix whose last token's K/V is there.
+        self.kv: dict[tuple[int, int], int] = {}
 
     def _ready(self) -> bool:
         return hasattr(self, "impl")
@@ -134,6 +160,27 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt = list(self.rng.choice(self.prompts))
         else:
             prompt = (PREFIXES[prefix][:prefix_len] if prefix is not None else []) + tail
+        self._add(prompt, max_tokens)
+
+    @precondition(_ready)
+    @rule(
+        words=st.lists(st.integers(0, 2), min_size=1, max_size=3),
+        tail=st.lists(st.integers(1, 30), max_size=3),
+        copies=st.integers(1, 3),
+        max_tokens=st.integers(1, 8),
+    )
+    def add_from_blocks(self, words, tail, copies, max_tokens) -> None:
+        """``copies`` requests whose prompts start with the same full blocks.
+
+        The blocks come from three contents, so shared prefixes (ref counts > 1)
+        and equal blocks under different parents (``A B`` then ``B B``: the second
+        ``B`` must not hit the first) are both common.
+        """
+        prefix = [t for w in words for t in self.words[w]]
+        for copy in range(copies):
+            self._add(prefix + tail + [copy + 1], max_tokens)
+
+    def _add(self, prompt: list[int], max_tokens: int | None) -> None:
         req_id = f"req{self.next_id}"
         self.next_id += 1
         errors = []
@@ -159,10 +206,51 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, data) -> None:
         self._step(lambda: data.draw(st.one_of(st.just(EOS), st.integers(1, 30))))
 
-    def _step(self, draw_token) -> None:
+    @precondition(_ready)
+    @rule(
+        words=st.lists(st.integers(0, 2), max_size=2),
+        copies=st.integers(0, 3),
+        seed=st.integers(0, 2**16),
+    )
+    def step_through_preemption(self, words, copies, seed) -> None:
+        """Add requests that grow to ``max_model_len`` sharing a prefix, step until a step
+        preempts, then until a later step admits a waiting request (the preempted one
+        is at the queue's front).
+
+        A victim that shares blocks with the requests still running, or that can
+        restart with a small chunk, would fit again at once: exactly where admitting
+        in the preempting step would show.
+        """
+        if copies:
+            self.add_from_blocks(words, [], copies, None)
+        rng = random.Random(seed)
+
+        def draw_token():
+            return rng.randrange(1, 31)  # no EOS: keep the pool under pressure
+
+        max_steps = 2 * self.ref.max_model_len
+        for _ in range(max_steps):
+            if self._step(draw_token).preempted_req_ids:
+                break
+        else:
+            return
+        for _ in range(max_steps):
+            waiting = {r.request_id for r in self.impl.waiting}
+            out = self._step(draw_token)
+            if any(r.request_id in waiting for r in out.scheduled_requests):
+                break
+
+    def _step(self, draw_token):
+        running = {r.request_id for r in self.impl.running}
         out = self.impl.schedule()
         ref_out = self.ref.schedule()
         assert _summary(out) == _summary(ref_out)
+        if out.preempted_req_ids:  # the pool is short: nobody new may be admitted
+            scheduled = {r.request_id for r in out.scheduled_requests}
+            assert scheduled <= running - set(out.preempted_req_ids), (
+                f"step preempted {out.preempted_req_ids} and admitted "
+                f"{sorted(scheduled - running)} or a preempted request")
+        self._check_and_write_kv(out)
         assert out.total_num_scheduled_tokens <= self.scheduler_config.max_num_batched_tokens
         assert len(self.impl.running) <= self.scheduler_config.max_num_seqs
         assert all(n > 0 for n in out.num_scheduled_tokens.values())
@@ -173,6 +261,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert [r.request_id for r in done] == [r.request_id for r in ref_done]
         assert [r.status for r in done] == [r.status for r in ref_done]
         assert all(r.is_finished() for r in done)
+        return out
+
+    def _check_and_write_kv(self, out) -> None:
+        """Play the model runner: every computed slot must hold the request's own prefix.
+
+        A slot's content is a fingerprint of all tokens up to and including it, as
+        real K/V depend on the whole prefix. Computed tokens (including prefix-cache
+        hits) must find their own fingerprint; this step's new tokens write theirs.
+        """
+        bs = self.impl.block_size
+        for r in out.scheduled_requests:
+            blocks = self.impl.get_block_ids(r.request_id)
+            start = r.num_computed_tokens
+            end = start + out.num_scheduled_tokens[r.request_id]
+            assert len(blocks) * bs >= end, f"{r.request_id}: no slot for token {end - 1}"
+            fingerprint = 0
+            for pos, token in enumerate(r.all_token_ids[:end]):
+                fingerprint = hash((fingerprint, token))
+                slot = (blocks[pos // bs], pos % bs)
+                if pos < start:
+                    assert self.kv.get(slot) == fingerprint, (
+                        f"{r.request_id}: token {pos} reuses K/V of another prefix "
+                        f"(block {slot[0]}, cached tokens {r.num_cached_tokens})")
+                else:
+                    self.kv[slot] = fingerprint
 
     @precondition(lambda self: self._ready() and self.accepted)
     @rule(data=st.data())
@@ -221,6 +334,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = stateful_settings(max_examples=200, step_count=50)
 
 
 # -- example tests ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ orphans) always use real processes, with the fast linear layers.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -20,14 +21,11 @@ import torch
 
 from minivllm import backend
 from minivllm.backend import COMPONENTS
-from minivllm.engine.executor import (
-    MultiprocExecutor,
-    UniProcExecutor,
-    pack_model_input,
-    unpack_model_input,
-    valid_tp_sizes,
-)
-from minivllm.metadata import AttentionMetadata, ModelInput
+from minivllm.engine.executor import UniProcExecutor, make_executor, simulates_all_ranks
+from minivllm.engine.multiproc_executor import MultiprocExecutor
+from minivllm.engine.wire import pack_step_input, unpack_step_input
+from minivllm.metadata import StepInput
+from minivllm.tp_shards import valid_tp_sizes
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -48,55 +46,60 @@ def cpu_spec(**overrides: str) -> dict[str, str]:
     return spec
 
 
-def make_executor(model: str, tp: int, **kw: object) -> UniProcExecutor | MultiprocExecutor:
-    """What the engine does: real processes only for real (non-simulating) linear layers."""
-    with backend.use_backend(cpu_spec()):
-        if tp > 1 and not backend.get("linear").SIMULATES_ALL_RANKS:
-            return MultiprocExecutor(model, torch.float32, "cpu", tp, **kw)
-        return UniProcExecutor(model, torch.float32, "cpu", tp)
+def cpu_executor(model: str, tp: int) -> UniProcExecutor | MultiprocExecutor:
+    """The engine's own choice of executor (:func:`make_executor`), on the CPU."""
+    return make_executor(model, torch.float32, "cpu", tp, cpu_spec())
 
 
 class Batches:
-    """Hand-built ModelInputs: a prefill of several prompts, then decode steps."""
+    """Hand-built StepInputs: a prefill of several prompts, then decode steps.
 
-    def __init__(self, seed: int, vocab: int, num_prompts: int = 3) -> None:
+    Blocks come from a shuffled free list (scattered tables); each step sends
+    only the block-table changes, as the scheduler does: the whole table of a
+    new request, then the blocks each request gains.
+    """
+
+    def __init__(self, seed: int, vocab: int, num_prompts: int = 3, prefix: str = "") -> None:
         self.rng = random.Random(seed)
         self.vocab = vocab
         free = list(range(NUM_BLOCKS))
         self.rng.shuffle(free)  # scattered block tables
         self.free = free
+        # Awkward ids: the wire carries them as UTF-8 bytes.
+        self.ids = [f"{prefix}req-{i}-é" for i in range(num_prompts)]
         self.seqs = [[self.rng.randrange(vocab) for _ in range(self.rng.randint(1, 11))]
                      for _ in range(num_prompts)]
         self.blocks: list[list[int]] = [[] for _ in self.seqs]
         self.computed = [0] * num_prompts
 
-    def next_input(self) -> ModelInput:
+    def next_input(self) -> StepInput:
         """All not-yet-computed tokens of every sequence (the prompt, then one new token)."""
-        ids, pos, slots, qsl, lens, last = [], [], [], [0], [], []
+        ids, pos, qlens, lens, last, new_blocks, new_reqs = [], [], [], [], [], [], set()
         for i, seq in enumerate(self.seqs):
             start, end = self.computed[i], len(seq)
-            while len(self.blocks[i]) * BLOCK_SIZE < end:
-                self.blocks[i].append(self.free.pop())
-            for p in range(start, end):
-                slots.append(self.blocks[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            if start == 0:
+                new_reqs.add(self.ids[i])
+            gained = []
+            while (len(self.blocks[i]) + len(gained)) * BLOCK_SIZE < end:
+                gained.append(self.free.pop())
+            self.blocks[i] += gained
+            new_blocks.append(tuple(gained))
             ids += seq[start:end]
             pos += range(start, end)
-            qsl.append(qsl[-1] + end - start)
+            qlens.append(end - start)
             lens.append(end)
-            last.append(qsl[-1] - 1)
+            last.append(len(ids) - 1)
             self.computed[i] = end
-        width = max(len(b) for b in self.blocks)
-        md = AttentionMetadata.build(
-            query_lens=[b - a for a, b in zip(qsl, qsl[1:])],
-            seq_lens=lens,
-            block_tables=torch.tensor([b + [0] * (width - len(b)) for b in self.blocks],
-                                      dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        )
         for seq in self.seqs:  # the "sampled" token of the next step
             seq.append(self.rng.randrange(self.vocab))
-        return ModelInput(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64),
-                          md, torch.tensor(last, dtype=torch.int64))
+        return StepInput(
+            req_ids=tuple(self.ids), new_req_ids=frozenset(new_reqs),
+            new_block_ids=tuple(new_blocks), removed_req_ids=(),
+            query_lens=tuple(qlens), seq_lens=tuple(lens),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            logits_indices=torch.tensor(last, dtype=torch.int64),
+        )
 
 
 def run_steps(executor: UniProcExecutor | MultiprocExecutor, seed: int,
@@ -104,24 +107,28 @@ def run_steps(executor: UniProcExecutor | MultiprocExecutor, seed: int,
     vocab = executor.hf_config.vocab_size
     nbytes = executor.bytes_per_block(BLOCK_SIZE)
     assert nbytes > 0
-    executor.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    executor.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
     batches = Batches(seed, vocab)
     return [executor.execute_model(batches.next_input()) for _ in range(steps)]
 
 
 def test_pack_unpack_round_trip() -> None:
-    mi = Batches(seed=3, vocab=50, num_prompts=4).next_input()
-    header, payload = pack_model_input(mi)
+    batches = Batches(seed=3, vocab=50, num_prompts=4, prefix="ü")
+    batches.next_input()
+    step = batches.next_input()  # decodes: some requests gain a block, some none
+    step = dataclasses.replace(step, new_req_ids=frozenset({step.req_ids[1]}),
+                               removed_req_ids=("gone", "", "再见"))
+    header, payload = pack_step_input(step)
     assert header.shape == (8,) and header.dtype == payload.dtype == torch.int64
-    back = unpack_model_input(header, payload, "cpu")
-    for a, b in [(mi.input_ids, back.input_ids), (mi.positions, back.positions),
-                 (mi.logits_indices, back.logits_indices)]:
-        assert torch.equal(a, b)
-    for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens"):
-        a, b = getattr(mi.attn_metadata, name), getattr(back.attn_metadata, name)
+    back = unpack_step_input(header, payload)
+    for name in ("req_ids", "new_req_ids", "new_block_ids", "removed_req_ids",
+                 "query_lens", "seq_lens"):
+        assert getattr(back, name) == getattr(step, name), name
+    for name in ("input_ids", "positions", "logits_indices"):
+        a, b = getattr(step, name), getattr(back, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert back.attn_metadata.max_query_len == mi.attn_metadata.max_query_len
-    assert back.attn_metadata.max_seq_len == mi.attn_metadata.max_seq_len
+    # Only the changes travel: a decode step's message does not grow with the context.
+    assert payload.numel() < 2 * step.num_tokens + 4 * len(step.req_ids) + 64
 
 
 @pytest.mark.parametrize("arch,overrides,tp", [
@@ -132,18 +139,21 @@ def test_pack_unpack_round_trip() -> None:
 ])
 def test_tp_logits_match_tp1(tiny_model_dir, arch: str, overrides: dict, tp: int) -> None:
     model = str(tiny_model_dir(arch, **overrides))
-    with make_executor(model, 1) as ex1:
+    with cpu_executor(model, 1) as ex1:
         expected = run_steps(ex1, seed=tp)
         per_rank_1 = ex1.bytes_per_block(BLOCK_SIZE)
-    ex = make_executor(model, tp)
+    ex = cpu_executor(model, tp)
     got = run_steps(ex, seed=tp)
     per_rank = ex.bytes_per_block(BLOCK_SIZE)
     procs = list(getattr(ex, "procs", []))
+    kind = type(ex)
     del ex  # dropping the executor must stop its workers (__del__)
     gc.collect()
-    if backend.get("linear").SIMULATES_ALL_RANKS:
+    if simulates_all_ranks(cpu_spec()):
+        assert kind is UniProcExecutor
         assert per_rank == per_rank_1  # one process holds every rank's KV heads
     else:
+        assert kind is MultiprocExecutor
         kv = overrides.get("num_key_value_heads", 2)
         assert per_rank == per_rank_1 * max(1, kv // tp) // kv  # only this rank's KV heads
         assert len(procs) == tp - 1
@@ -158,7 +168,7 @@ def test_uneven_heads_are_refused_with_the_sizes_that_work(tiny_model_dir) -> No
     model = str(tiny_model_dir("llama_tied", hidden_size=72, num_attention_heads=9,
                                num_key_value_heads=3, intermediate_size=96))
     with pytest.raises(ValueError, match=r"tp sizes that work: \[1, 3\]"):
-        make_executor(model, 2)
+        cpu_executor(model, 2)
 
 
 def test_valid_tp_sizes() -> None:
@@ -192,7 +202,7 @@ def test_killed_worker_raises_quickly_and_leaves_no_orphans(tiny_model_dir) -> N
         ex = MultiprocExecutor(model, torch.float32, "cpu", 2, timeout_s=20)
     try:
         ex.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-        batches = Batches(seed=0, vocab=ex.hf_config.vocab_size)
+        batches = Batches(seed=0, vocab=ex.hf_config.vocab_size, prefix="warm-up")
         ex.execute_model(batches.next_input())
         ex.check_health()
         pid = ex.procs[0].pid
@@ -201,9 +211,15 @@ def test_killed_worker_raises_quickly_and_leaves_no_orphans(tiny_model_dir) -> N
         threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exitcode -9\)"):
-            for _ in range(100_000):
-                batches = Batches(seed=1, vocab=ex.hf_config.vocab_size)
-                ex.execute_model(batches.next_input())
+            for i in range(100_000):  # new requests each time, freed at once
+                batches = Batches(seed=1, vocab=ex.hf_config.vocab_size, prefix=f"{i}-")
+                step = batches.next_input()
+                ex.execute_model(step)
+                ex.execute_model(dataclasses.replace(
+                    step, req_ids=(), new_req_ids=frozenset(), new_block_ids=(),
+                    removed_req_ids=step.req_ids, query_lens=(), seq_lens=(),
+                    input_ids=step.input_ids[:0], positions=step.positions[:0],
+                    logits_indices=step.logits_indices[:0]))
         assert time.monotonic() - start < 30
         with pytest.raises(RuntimeError, match="died"):
             ex.check_health()
@@ -277,3 +293,33 @@ def test_llm_generate_raises_when_a_worker_dies(tiny_model_dir) -> None:
     finally:
         llm.shutdown()
     assert _gone(pid)
+
+
+def test_course_package_without_linear_runs_tp2_in_one_process(tiny_model_dir, tmp_path,
+                                                                monkeypatch) -> None:
+    """A student package that provides only ``layernorm`` (its ``linear`` is the ref's,
+    which simulates every rank): tp=2 must run in one process and match transformers."""
+    from test_engine import greedy, hf_greedy, random_prompts
+
+    from minivllm import LLM
+
+    pkg = tmp_path / "course_layernorm_only"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "layernorm.py").write_text(  # the student's code: here, the ref's functions
+        "from minivllm.ref.layernorm import fused_add_rms_norm, rms_norm  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = "course_layernorm_only"
+    assert backend.get("layernorm", spec).__name__ == "course_layernorm_only.layernorm"
+    assert simulates_all_ranks(spec)  # the fallback's answer, not the package name's
+    path = tiny_model_dir("llama")
+    prompts = random_prompts(2, [7, 3], seed=5)
+    llm = LLM(str(path), backend=spec, tensor_parallel_size=2, dtype="float32", device="cpu",
+              max_model_len=128, block_size=4)
+    try:
+        assert isinstance(llm.llm_engine.executor, UniProcExecutor)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)

@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed: figures are saved as PNGs
 import matplotlib.pyplot as plt
 import numpy as np
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm import SamplingParams
 from minivllm.config import CacheConfig, SchedulerConfig
@@ -87,7 +88,7 @@ ax2.bar(["contiguous", "paged (16)"], [fit_contiguous, fit_paged], color=["tab:r
 ax2.set_ylabel("requests running at once")
 ax2.set_title(f"batch size that fits in {budget // 1024}k slots")
 fig.tight_layout()
-fig.savefig("01_paged_kv_cache_waste.png", dpi=110)
+fig.savefig(figure_path("01_paged_kv_cache_waste.png"), dpi=110)
 print("saved 01_paged_kv_cache_waste.png")
 
 # %% [markdown]
@@ -106,9 +107,18 @@ print("saved 01_paged_kv_cache_waste.png")
 #
 # `slot = block_table[pos // block_size] * block_size + pos % block_size`
 #
-# The model runner sends two tensors per step: the padded block tables (the
-# attention kernel reads the context through them) and the **slot mapping**
-# of the tokens computed this step (the cache write puts their new K/V there).
+# Each step the worker builds two tensors from its block tables: the padded
+# block tables (the attention kernel reads the context through them) and the
+# **slot mapping** of the tokens computed this step (the cache write puts
+# their new K/V there).
+#
+# Who keeps which record (as in vLLM v1): the scheduler's KV cache manager
+# keeps each request's block ids as a plain list and decides with it; the
+# `BlockTables` live in the worker, on the model's device (one per rank under
+# tensor parallelism). Each step the scheduler sends only the changes, the
+# block ids each request gained (`SchedulerOutput.new_block_ids`) and the
+# finished or preempted requests, and the worker applies them to its table.
+# Here we play the worker's part by hand.
 
 # %%
 block_size = 4
@@ -162,6 +172,7 @@ sched.update_from_output(out, {"A": 7})
 sched.add_request(Request("B", system_prompt + [21, 22, 23], greedy, eos_token_id=None))
 out = sched.schedule()
 print("step 2 computes", out.num_scheduled_tokens, "tokens")
+print("block ids sent to the worker:", out.new_block_ids, "(B is new:", out.new_req_ids, ")")
 a, b = sched.requests["A"], sched.requests["B"]
 print(f"B found {b.num_cached_tokens} of its {b.num_prompt_tokens} prompt tokens in the cache")
 ref_counts = {blk: sched.block_allocator.ref_count(blk) for blk in range(10)}
@@ -197,7 +208,7 @@ draw_block_tables(ax, sched, ["A", "B"], 10)
 ax.set_title("block tables (top) pointing into the block pool (bottom); "
              "purple = shared prefix block")
 fig.tight_layout()
-fig.savefig("01_paged_kv_cache_prefix.png", dpi=110)
+fig.savefig(figure_path("01_paged_kv_cache_prefix.png"), dpi=110)
 print("saved 01_paged_kv_cache_prefix.png")
 
 # %% [markdown]
@@ -278,7 +289,7 @@ ax.set_xlabel("step")
 ax.legend(fontsize=8, loc="upper right")
 ax.set_title("continuous batching: budget use and pool pressure")
 fig.tight_layout()
-fig.savefig("01_paged_kv_cache_steps.png", dpi=110)
+fig.savefig(figure_path("01_paged_kv_cache_steps.png"), dpi=110)
 print("saved 01_paged_kv_cache_steps.png")
 assert any(preempted), "the demo is meant to show a preemption"
 assert math.isclose(sched.num_free_blocks, 14)  # everything returned to the pool
@@ -293,8 +304,10 @@ assert math.isclose(sched.num_free_blocks, 14)  # everything returned to the poo
 # by step; run them against the readable twins and the fast ones:
 #
 # ```bash
-# pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py --backend=ref
-# pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py --backend=fast
+# pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py \
+#        tests/test_kv_cache_manager.py tests/test_prefix_hash.py --backend=ref
+# pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py \
+#        tests/test_kv_cache_manager.py tests/test_prefix_hash.py --backend=fast
 # ```
 #
 # and time the two twins against each other with `python -m minivllm.bench host`.

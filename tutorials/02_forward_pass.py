@@ -25,6 +25,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed: the figure is saved as a PNG
 import matplotlib.pyplot as plt
 import torch
+from _figures import figure_path  # tutorials/figures/, ignored by git
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from minivllm.metadata import AttentionMetadata
@@ -208,7 +209,7 @@ ax2.set_ylabel("max |logits - transformers|")
 ax2.set_title("agreement with transformers (fp32)")
 ax2.legend()
 fig.tight_layout()
-fig.savefig("02_forward_pass.png", dpi=110)
+fig.savefig(figure_path("02_forward_pass.png"), dpi=110)
 print("saved 02_forward_pass.png")
 
 # %% [markdown]

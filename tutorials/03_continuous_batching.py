@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm import LLM, SamplingParams
 
@@ -104,7 +105,7 @@ ax2.axhline(40, color="k", ls="--", lw=1)
 ax2.set_ylabel("KV blocks used")
 ax2.set_xlabel("engine step")
 fig.tight_layout()
-fig.savefig("03_continuous_batching.png", dpi=110)
+fig.savefig(figure_path("03_continuous_batching.png"), dpi=110)
 print("saved 03_continuous_batching.png")
 
 # %% [markdown]

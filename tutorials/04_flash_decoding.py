@@ -11,7 +11,7 @@
 # (`minivllm.ref.attention.paged_attention`):
 #
 # 1. **naive**: gather each sequence's blocks into a contiguous tensor, then
-#    `softmax(q k^T) v` (what the ref does);
+#    `softmax(q k^T * scale) v` (what the ref does, one sequence at a time);
 # 2. **online softmax over blocks**: walk the block table, one block at a time,
 #    keeping a running max `m`, a running sum `l` and an unnormalised output
 #    `acc`; no gathered copy, no score matrix;
@@ -36,6 +36,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm.fast import attention as fast_attention
 from minivllm.fast.attention_decode import paged_decode_attention
@@ -79,16 +80,31 @@ print("block table of sequence 0:", block_tables[0, : blocks_per_seq[0]].tolist(
 # %% [markdown]
 # ## Step 1 · naive: gather, then attend
 #
-# The ref copies every sequence's blocks into a padded
-# `(num_seqs, max_seq_len, H_kv, D)` tensor and masks the padding. That copy
-# is written and read once more than necessary, and it is padded to the
-# *longest* sequence: sequence 0 (37 tokens) pays for 523.
+# The ref (`minivllm.ref.attention`) is the textbook page. For each sequence it
+# gathers the sequence's blocks into a contiguous `(seq_len, H_kv, D)` copy,
+# maps every query head to its KV head (`h // group`, GQA), computes the scores
+# `q k^T * scale`, masks the future (a decode row sees its whole context, so
+# nothing here), takes the softmax in float32 and the weighted sum of the
+# values. Here is that page for sequence 0, written out:
 
 # %%
+group = num_heads // num_kv_heads
+kv_head = torch.arange(num_heads) // group  # query head h reads KV head h // group
+n0 = seq_lens[0]
+k0 = ref_attention.gather_kv(k_cache, block_tables[:1], n0)[0]  # (37, H_kv, D): a copy
+v0 = ref_attention.gather_kv(v_cache, block_tables[:1], n0)[0]
+scores = torch.einsum("hd,khd->hk", query[0], k0[:, kv_head]) * scale  # (H, 37)
+probs = torch.softmax(scores, dim=-1)  # over the 37 keys
+step1 = torch.einsum("hk,khd->hd", probs, v0[:, kv_head])  # (H, D)
 ref_out = ref_attention.paged_attention(query, k_cache, v_cache, metadata, scale)
-gathered = ref_attention.gather_kv(k_cache, block_tables, max(seq_lens))
-print("gathered K:", tuple(gathered.shape), f"= {gathered.numel()} elements,",
-      f"vs {sum(seq_lens) * num_kv_heads * head_dim} actually cached")
+print("step 1 (sequence 0) vs ref, max abs error:", (step1 - ref_out[0]).abs().max().item())
+
+# %% [markdown]
+# Before a single score is computed, the ref has written a copy of every
+# sequence's K and V (the gather), then `group` copies of it (one per query
+# head), then, for 16-bit caches, a float32 copy of those; and it stores the
+# scores and probabilities. All of that is memory traffic on top of the one
+# read of the cache that the maths needs.
 
 # %% [markdown]
 # ## Step 2 · online softmax over the blocks, in place
@@ -209,25 +225,32 @@ ax2.set_ylabel("merge weight (head 0)")
 ax2.set_title("log-sum-exp merge weights")
 ax2.legend()
 fig.tight_layout()
-fig.savefig("04_flash_decoding.png", dpi=110)
+fig.savefig(figure_path("04_flash_decoding.png"), dpi=110)
 print("saved 04_flash_decoding.png")
 
 # %% [markdown]
 # ## Memory traffic at serving scale
 #
-# Batch 64, context 4096, 8 KV heads of dim 128, bf16 (2 bytes). The kernel
-# must read K and V once: `2 * 64 * 4096 * 8 * 128 * 2` bytes = 1.07 GB (call it
-# `kv`), so on a 4.8 TB/s H200 the floor is about 0.22 ms. The ref's gather
-# reads the cache and writes a padded copy (`2 kv`), SDPA reads the copy again
-# (`kv`), and with an explicit mask it may write and read back the
-# `(64, 32, 4096)` float32 scores (about 2 passes). `python -m minivllm.bench kernels` measures the kernel's
-# GB/s against the GPU's copy bandwidth.
+# Batch 64, context 4096, 32 query heads over 8 KV heads of dim 128, bf16 (2
+# bytes). The kernel must read K and V once: `2 * 64 * 4096 * 8 * 128 * 2`
+# bytes = 1.07 GB (call it `kv`), so on a 4.8 TB/s H200 the floor is about
+# 0.22 ms. The ref, step by step, for K and again for V (each `kv / 2`):
+# the gather reads the blocks and writes a copy; the GQA mapping reads the copy
+# and writes `group = 4` copies; the float32 upcast reads those and writes
+# twice their bytes; the matmul reads the float32 copy. Then the
+# `(64, 32, 4096)` float32 scores are written, scaled, masked, softmaxed (a
+# read and a write each) and read by the weighted sum: 8 passes.
+# `python -m minivllm.bench kernels` measures the kernel's GB/s against the
+# GPU's copy bandwidth.
 
 # %%
 B, L, Hkv, D, H = 64, 4096, 8, 128, 32
-kv = 2 * B * L * Hkv * D * 2
-ref_bytes = (2 + 1) * kv + 2 * B * H * L * 4
-print(f"kernel: {kv / 1e9:.2f} GB; ref: about {ref_bytes / 1e9:.1f} GB "
+G = H // Hkv
+kv = 2 * B * L * Hkv * D * 2  # K and V, bf16: what the kernel reads
+per_tensor = (1 + 1) + (1 + G) + (G + 2 * G) + 2 * G  # in units of one tensor's bf16 bytes
+scores = B * H * L * 4  # one pass over the float32 scores
+ref_bytes = 2 * per_tensor * (kv // 2) + 8 * scores
+print(f"kernel: {kv / 1e9:.2f} GB; ref: about {ref_bytes / 1e9:.0f} GB "
       f"({ref_bytes / kv:.0f}x); floor on a 4.8 TB/s H200: {kv / 4.8e12 * 1e3:.2f} ms")
 
 # %% [markdown]
@@ -246,8 +269,9 @@ print(f"kernel: {kv / 1e9:.2f} GB; ref: about {ref_bytes / 1e9:.1f} GB "
 #
 # Write the cache write (task 10) and paged attention (task 11) in your student package:
 # query row `j` of a sequence sits at position `seq_len - query_len + j`, and query head `h`
-# reads KV head `h // (num_heads // num_kv_heads)`. The tests use GQA groups above 1 and
-# chunks that start mid-block over a cached prefix.
+# reads KV head `h // (num_heads // num_kv_heads)`. The tests use GQA groups above 1,
+# chunks that start mid-block over a cached prefix, and caches whose every slot outside the
+# sequences is NaN (read a row too many and the output is NaN).
 #
 # Handouts: `docs/course/` (one page per task). Test your package:
 #

@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm.ref import linear as ref_linear
 
@@ -122,7 +123,7 @@ except ValueError as e:
 # the whole model before loading anything:
 from types import SimpleNamespace  # noqa: E402
 
-from minivllm.engine.executor import valid_tp_sizes  # noqa: E402
+from minivllm.tp_shards import valid_tp_sizes  # noqa: E402
 
 smollm2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
 print("tp sizes that work for SmolLM2-135M:", valid_tp_sizes(smollm2))
@@ -173,7 +174,7 @@ for (_, y0, _), (_, y1, _) in zip(steps, steps[1:]):
     ax.annotate("", xy=(5, y1 + 0.4), xytext=(5, y0 - 0.4), arrowprops=dict(arrowstyle="->"))
 ax.set_title("one decoder layer: 2 all-reduces, nothing else")
 fig.tight_layout()
-fig.savefig("06_tensor_parallel.png", dpi=110)
+fig.savefig(figure_path("06_tensor_parallel.png"), dpi=110)
 print("saved 06_tensor_parallel.png")
 
 # %% [markdown]
@@ -183,8 +184,9 @@ print("saved 06_tensor_parallel.png")
 # own shard and the collectives are real `torch.distributed` calls through
 # `minivllm.distributed` (`tensor_model_parallel_all_reduce`, `..._gather`).
 # `MultiprocExecutor` runs rank 0 in this process and starts `tp - 1` worker
-# processes; every step it broadcasts the batch (one packed int64 tensor) and
-# all ranks run the forward pass together. On this CPU each rank is a process
+# processes; every step it broadcasts the batch and the block-table changes
+# (one packed int64 tensor: each rank keeps its own block table, so the whole
+# tables never travel), and all ranks run the forward pass together. On this CPU each rank is a process
 # with its own thread; on a GPU machine each would be a GPU.
 #
 # We build a small random Llama (8 query heads, 4 KV heads), run the same
@@ -193,7 +195,8 @@ print("saved 06_tensor_parallel.png")
 # %%
 from minivllm import backend, distributed  # noqa: E402
 from minivllm.bench.tp import save_random_llama, synthetic_input  # noqa: E402
-from minivllm.engine.executor import MultiprocExecutor, UniProcExecutor  # noqa: E402
+from minivllm.engine.executor import UniProcExecutor  # noqa: E402
+from minivllm.engine.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=128, heads=8, kv_heads=4,
                               intermediate=256, layers=2, vocab=500)

@@ -9,7 +9,10 @@ latter against a compute roofline: the machine's measured fp32 (or the run's
 dtype) GEMM rate divided by ``2 * num_parameters`` FLOPs per token. With
 ``--compare hf`` the same requests also run through transformers'
 ``generate`` (static batches of 8, left padding, greedy) and the ratio is
-printed. Results go to JSON and a PNG chart.
+printed. With ``--compare llamacpp`` the same requests run through llama.cpp
+(``llama-cpp-python``, the optional extra ``[llamacpp]``) on the model's GGUF
+file, one request at a time; see :mod:`minivllm.bench.llamacpp`. Results go
+to JSON and a PNG chart.
 """
 
 from __future__ import annotations
@@ -166,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--compare", choices=["hf"], default=None,
-                   help="also run transformers' generate on the same requests")
+    p.add_argument("--compare", choices=["hf", "llamacpp"], default=None,
+                   help="also run the same requests through transformers' generate (hf) or "
+                        "through llama.cpp on the same GGUF, one at a time (llamacpp: needs "
+                        "the optional extra, pip install -e '.[llamacpp]')")
     p.add_argument("--out", default="results/bench_throughput.json")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -176,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm.model.loader import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
+    if args.compare == "llamacpp":  # fail now, not after the long minivllm run
+        from minivllm.bench.llamacpp import find_gguf, require_llama_cpp
+
+        require_llama_cpp()
+        find_gguf(args.model, model_dir)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
@@ -206,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                             total_tok_s=(n_in + hf["output_tokens"]) / hf["elapsed_s"])
         result["speedup_vs_hf"] = result["minivllm"]["output_tok_s"] / result["hf"]["output_tok_s"]
 
+    if args.compare == "llamacpp":
+        result["llamacpp"] = compare_llamacpp(args.model, model_dir, prompts, out_lens, n_in,
+                                              result["minivllm"]["output_tok_s"], args.quiet)
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -221,7 +235,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'transformers':<14}{h['elapsed_s']:>9.1f}{h['output_tok_s']:>14.1f}"
               f"{h['total_tok_s']:>13.1f}")
         print(f"speed-up vs transformers (output tokens/s): {result['speedup_vs_hf']:.2f}x")
+    if "llamacpp" in result:
+        c = result["llamacpp"]
+        print(f"{'llama.cpp':<14}{c['elapsed_s']:>9.1f}{c['output_tok_s']:>14.1f}"
+              f"{c['total_tok_s']:>13.1f}")
+        print(f"speed-up vs llama.cpp (output tokens/s): {c['speedup']:.2f}x "
+              f"({c['gguf']}, {c['threads']} threads, one request at a time)")
     print(f"GEMM rate {gemm / 1e9:.1f} GFLOP/s -> roofline {roofline:.1f} total tok/s; "
           f"minivllm reaches {100 * result['roofline_fraction']:.1f}% of it")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
+
+
+def compare_llamacpp(model: str, model_dir: Path, prompts, out_lens, n_in: int,
+                     minivllm_out_tok_s: float, quiet: bool) -> dict:
+    """Run the workload through llama.cpp on the model's GGUF; its tok/s and our ratio to it."""
+    from minivllm.bench.llamacpp import find_gguf, run_llamacpp
+
+    r = run_llamacpp(find_gguf(model, model_dir), prompts, out_lens, quiet=quiet)
+    out_tok_s = r["output_tokens"] / r["elapsed_s"]
+    return dict(elapsed_s=r["elapsed_s"], output_tok_s=out_tok_s,
+                total_tok_s=(n_in + r["output_tokens"]) / r["elapsed_s"],
+                speedup=minivllm_out_tok_s / out_tok_s, threads=r["threads"], gguf=r["gguf"])

@@ -2,7 +2,7 @@
 
 Times the forward step (``executor.execute_model``) of one model at
 ``tp_size=1`` (one in-process worker) and at ``tp_size=N`` (real worker
-processes, :class:`~minivllm.engine.executor.MultiprocExecutor`), for a
+processes, :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`), for a
 prefill batch and a decode batch, and reports:
 
 - step time and tokens/s for each, and the tp=N / tp=1 speed-up;
@@ -25,6 +25,7 @@ than over NVLink.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -32,30 +33,51 @@ from pathlib import Path
 
 import torch
 
-from minivllm.metadata import AttentionMetadata, ModelInput
+from minivllm.config import cdiv
+from minivllm.metadata import StepInput
 
 BLOCK_SIZE = 16
 
 
 def synthetic_input(num_seqs: int, query_len: int, context_len: int, vocab: int,
-                    device: str | torch.device = "cpu", seed: int = 0) -> ModelInput:
-    """``num_seqs`` sequences of ``context_len`` cached tokens plus ``query_len`` new ones.
+                    seed: int = 0, name: str = "seq", first_block: int = 0) -> StepInput:
+    """``num_seqs`` new sequences of ``context_len`` cached tokens plus ``query_len`` new ones.
 
-    Each sequence owns its own consecutive blocks; the cached K/V are whatever
-    the cache holds (this is a timing workload, not a correctness one).
+    Each sequence owns its own consecutive blocks, sent as the block-table
+    changes of a first step (every sequence new); the cached K/V are whatever
+    the cache holds (this is a timing workload, not a correctness one). Run
+    it once, then :func:`repeat_step` as often as you like. Requests are named
+    ``{name}{i}`` and use blocks from ``first_block`` on.
     """
     g = torch.Generator().manual_seed(seed)
     seq_len = context_len + query_len
-    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
-    block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, -1)
+    blocks_per_seq = cdiv(seq_len, BLOCK_SIZE)
+    req_ids = tuple(f"{name}{i}" for i in range(num_seqs))
     pos = torch.arange(context_len, seq_len).repeat(num_seqs)  # (T,)
-    seq = torch.arange(num_seqs).repeat_interleave(query_len)  # (T,) sequence of each token
-    slots = block_tables[seq, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    md = AttentionMetadata.build([query_len] * num_seqs, [seq_len] * num_seqs, block_tables,
-                                 slots, device)
-    ids = torch.randint(0, vocab, (num_seqs * query_len,), generator=g)
-    last = torch.arange(1, num_seqs + 1) * query_len - 1
-    return ModelInput(ids.to(device), pos.to(device), md, last.to(device))
+    return StepInput(
+        req_ids=req_ids,
+        new_req_ids=frozenset(req_ids),
+        new_block_ids=tuple(
+            tuple(range(first_block + i * blocks_per_seq, first_block + (i + 1) * blocks_per_seq))
+            for i in range(num_seqs)),
+        removed_req_ids=(),
+        query_lens=(query_len,) * num_seqs,
+        seq_lens=(seq_len,) * num_seqs,
+        input_ids=torch.randint(0, vocab, (num_seqs * query_len,), generator=g),
+        positions=pos,
+        logits_indices=torch.arange(1, num_seqs + 1) * query_len - 1,
+    )
+
+
+def repeat_step(step_input: StepInput) -> StepInput:
+    """The same batch again, with no block-table changes (the rows exist already)."""
+    return dataclasses.replace(step_input, new_req_ids=frozenset(),
+                               new_block_ids=((),) * len(step_input.req_ids))
+
+
+def num_blocks_needed(step_input: StepInput) -> int:
+    """The KV pool a synthetic step needs: one past its highest block id."""
+    return 1 + max(b for blocks in step_input.new_block_ids for b in blocks)
 
 
 def save_random_llama(path: Path, hidden: int = 512, heads: int = 8, kv_heads: int = 4,
@@ -77,16 +99,21 @@ def save_random_llama(path: Path, hidden: int = 512, heads: int = 8, kv_heads: i
     return path
 
 
-def time_steps(executor, model_input: ModelInput, steps: int) -> tuple[float, float]:
-    """(median step seconds, collective seconds per step) over ``steps`` runs after a warm-up."""
+def time_steps(executor, step_input: StepInput, steps: int) -> tuple[float, float]:
+    """(median step seconds, collective seconds per step) over ``steps`` runs.
+
+    The first run (untimed: a warm-up) registers the step's requests in every
+    rank's block table; the timed ones repeat the batch without changes.
+    """
     from minivllm import distributed
 
-    executor.execute_model(model_input)  # warm-up
+    executor.execute_model(step_input)  # warm-up
+    again = repeat_step(step_input)
     times, comm = [], []
     for _ in range(steps):
         distributed.reset_collective_stats()
         start = time.perf_counter()
-        executor.execute_model(model_input)
+        executor.execute_model(again)
         times.append(time.perf_counter() - start)
         comm.append(distributed.get_collective_stats().seconds)
     order = sorted(range(steps), key=times.__getitem__)
@@ -97,7 +124,8 @@ def time_steps(executor, model_input: ModelInput, steps: int) -> tuple[float, fl
 def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Step times of the prefill and decode workloads at ``tp``."""
     from minivllm import backend, distributed
-    from minivllm.engine.executor import MultiprocExecutor, UniProcExecutor
+    from minivllm.engine.executor import UniProcExecutor
+    from minivllm.engine.multiproc_executor import MultiprocExecutor
 
     dtype = getattr(torch, args.dtype)
     with backend.use_backend(args.backend):
@@ -107,14 +135,14 @@ def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, tuple[float,
             executor = MultiprocExecutor(model, dtype, args.device, tp)
     try:
         vocab = executor.hf_config.vocab_size
-        workloads = {
-            "prefill": synthetic_input(args.prefill_seqs, args.prefill_len, 0, vocab, args.device),
-            "decode": synthetic_input(args.decode_seqs, 1, args.decode_context, vocab, args.device),
-        }
-        need = max(int(mi.attn_metadata.block_tables.max()) + 1 for mi in workloads.values())
-        executor.init_kv_cache(need, BLOCK_SIZE)
+        prefill = synthetic_input(args.prefill_seqs, args.prefill_len, 0, vocab, name="prefill")
+        decode = synthetic_input(args.decode_seqs, 1, args.decode_context, vocab, name="decode",
+                                 first_block=num_blocks_needed(prefill))
+        executor.init_kv_cache(num_blocks_needed(decode), BLOCK_SIZE,
+                               max_num_reqs=args.prefill_seqs + args.decode_seqs)
         distributed.enable_collective_timing(True)
-        return {name: time_steps(executor, mi, args.steps) for name, mi in workloads.items()}
+        return {"prefill": time_steps(executor, prefill, args.steps),
+                "decode": time_steps(executor, decode, args.steps)}
     finally:
         distributed.enable_collective_timing(False)
         executor.shutdown()

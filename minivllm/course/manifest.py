@@ -33,8 +33,7 @@ class Task:
         title: one line for tables and handouts.
         component: the swap-layer component the task's code serves (``backend.COMPONENTS``).
         module: the file the code lives in (``<module>.py`` in the ref and in the
-            student package); usually the component, ``kv_cache_manager`` for the
-            scheduler's helper.
+            student package); so far always the component's own module.
         functions: what the student writes: ``"func"`` or ``"Class.method"``.
             Each has a ``# BEGIN SOLUTION`` / ``# END SOLUTION`` region in the solution.
         tests: pytest node-id prefixes of the grading tests.
@@ -113,10 +112,11 @@ _TASKS = (
          ("BlockTables.append_blocks", "BlockTables.block_table_tensor", "BlockTables.slot_mapping"),
          ("tests/test_block_table.py", "tests/course/test_task_block_table.py"),
          8, (HOST, _T01)),
-    Task("kv_cache_manager", "KV cache manager: prefix hits and slots for a request", "scheduler",
-         "kv_cache_manager", ("KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots",
-                              "KVCacheManager.free", "KVCacheManager._cache_full_blocks"),
-         ("tests/course/test_task_kv_cache_manager.py",
+    Task("kv_cache_manager", "KV cache manager: prefix hits and slots for a request",
+         "kv_cache_manager", "kv_cache_manager",
+         ("KVCacheManager.get_computed_blocks", "KVCacheManager.allocate_slots",
+          "KVCacheManager.free", "KVCacheManager._block_hashes", "KVCacheManager._cache_full_blocks"),
+         ("tests/course/test_task_kv_cache_manager.py", "tests/test_kv_cache_manager.py",
           f"{_SCHED}::test_prefix_hit_leaves_one_token_to_compute", f"{_SCHED}::TestSchedulerMachine"),
          10, (HOST, _T03)),
     Task("scheduler", "Scheduler: token budget, FCFS, chunked prefill, preemption", "scheduler",
@@ -145,11 +145,8 @@ _TASKS = (
           f"{_SMALL}::test_reshape_and_cache_strided_input"),
          4, (KERNELS, _T04)),
     Task("paged_attention", "Paged attention over prefills, chunks and decodes (GQA)", "attention",
-         "attention", ("gather_kv", "_plan", "paged_attention"),
-         # tests/test_attention.py poisons unused cache slots with NaN for every
-         # implementation except minivllm.ref.attention itself, which its padded decode
-         # path could not pass either; it joins this task once the ref is NaN-safe.
-         ("tests/course/test_task_paged_attention.py",),
+         "attention", ("gather_kv", "paged_attention"),
+         ("tests/course/test_task_paged_attention.py", "tests/test_attention.py"),
          15, (KERNELS, _T04)),
     Task("sampler_filters", "Sampling filters: temperature, min-p, top-k, top-p", "sampler",
          "sampler", ("filter_logits", "apply_min_p", "apply_top_k", "apply_top_p"),

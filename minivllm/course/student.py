@@ -14,8 +14,9 @@ The student package is a copy of every ref module in which each such region
 becomes ``raise NotImplementedError("Task N (name): ...")``: signatures,
 docstrings, shape comments and module-level helpers stay, and nothing is kept
 by hand, so the stubs can never drift from the solution. Imports of
-``minivllm.ref.X`` are pointed at the package's own ``X``, so a student's
-scheduler uses the student's KV cache manager.
+``minivllm.ref.X`` are pointed at the package's own ``X``; components that use
+another component (the scheduler its KV cache manager and allocator) get it
+through the swap layer, which serves the package's own module.
 
 The package provides every component as a submodule, which is what the swap
 layer looks for: ``pytest --backend=PKG``, ``LLM(..., backend="PKG")`` and

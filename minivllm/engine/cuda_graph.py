@@ -17,9 +17,12 @@ A graph replays *fixed* shapes and addresses, so:
 
 Only decode-only batches (every sequence has one new token) use graphs;
 prefills run eagerly. Graphs need kernels that never synchronise with the
-host, i.e. the fast (Triton) attention and cache write; the ref twins call
-``.tolist()``, so with them the runner is not built (``enforce_eager`` also
-turns it off).
+host, i.e. the fast (Triton) attention and cache write; the ref twins have
+data-dependent shapes (boolean-mask indexing in the cache write, per-sequence
+loops planned from the metadata's host copies), which a graph cannot record,
+so with them the runner is not built (``enforce_eager`` also turns it off).
+The static metadata below describes the capture in its host copies; a
+replay only refreshes the device buffers.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import logging
 
 import torch
 
+from minivllm.config import cdiv
 from minivllm.metadata import AttentionMetadata, ModelInput
 
 logger = logging.getLogger("minivllm")
@@ -61,7 +65,7 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         dev = kv_caches[0][0].device
         bs = self.max_bs
         self.input_ids = torch.zeros(bs, dtype=torch.int64, device=dev)

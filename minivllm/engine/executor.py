@@ -3,91 +3,69 @@
 The engine (scheduler, model runner, sampler) lives in one process and calls
 an executor once per step. Two kinds, with the same methods:
 
-- :class:`UniProcExecutor`: one in-process ``Worker``. Used for
-  ``tensor_parallel_size=1``, and for the ref linear layers at any
-  ``tp_size`` (they simulate every rank in one process).
-- :class:`MultiprocExecutor`: real tensor parallelism with the fast layers.
-  Rank 0's ``Worker`` lives in the engine process; ranks ``1 .. tp-1`` are
-  worker processes (``multiprocessing`` ``spawn``). Each step rank 0 sends
-  the :class:`~minivllm.metadata.ModelInput` to the others and all ranks run
-  the forward together; the logits come back on rank 0 only.
+- :class:`UniProcExecutor` (here): one in-process ``Worker``. Used for
+  ``tensor_parallel_size=1``, and at any ``tp_size`` for linear layers that
+  simulate every rank in one process (the ref twin).
+- :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`: real tensor
+  parallelism, one process per rank, for linear layers that hold one rank's
+  shards (the fast twin).
 
-The per-step message is cheap: the seven integer tensors of a ``ModelInput``
-are packed into ONE ``int64`` tensor and broadcast after a fixed 8-element
-header that says what follows (two ``dist.broadcast`` calls, no pickling).
-Between steps the workers wait on the header, so the header also carries
-the other commands (allocate the KV cache, report its size, shut down).
+ONE rule picks between them, :func:`simulates_all_ranks`, read from the
+``linear`` module the backend spec actually selects; :func:`make_executor`
+(the engine's entry point) and both executors' checks all call it. So a
+course package that provides only ``layernorm`` (its ``linear`` falls back to
+the ref) runs ``tensor_parallel_size=2`` in one process, as the ref does.
 
-Failure handling, so that nothing hangs and nothing is orphaned:
-
-- worker processes are daemons and poll their parent's pid (a watchdog
-  thread): if the engine process dies, they exit;
-- they ignore Ctrl-C: the engine process handles it and shuts them down
-  (``atexit``, ``__del__``, or ``with MultiprocExecutor(...)``);
-- rank 0 checks that every worker is alive before each step, and the
-  process groups have a timeout (``timeout_s``), so a worker that dies
-  mid-step makes the step raise ``RuntimeError("tensor-parallel worker N
-  died (exitcode ...)")`` within seconds instead of blocking forever.
+Both take a :class:`~minivllm.metadata.StepInput` per step: the batch plus
+the block-table changes, which every rank's worker applies to its own table.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import functools
-import multiprocessing as mp
-import os
-import queue
-import signal
-import socket
-import sys
-import threading
-import time
-import traceback
-import types
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from minivllm import backend, distributed
-from minivllm.metadata import AttentionMetadata, ModelInput
-
-# --------------------------------------------------------------------------
-# Which tp sizes a model allows, and where each rank runs
-# --------------------------------------------------------------------------
+from minivllm import backend
+from minivllm.metadata import StepInput
+from minivllm.tp_shards import check_tp_size
 
 
-def valid_tp_sizes(hf_config: Any) -> list[int]:
-    """The tensor-parallel sizes a Llama-family model splits evenly into.
+def simulates_all_ranks(spec: backend.BackendSpec | None = None) -> bool:
+    """Whether the ``linear`` module ``spec`` selects computes every rank in one process.
 
-    Query heads must divide evenly, KV heads divide evenly or are replicated
-    (see :func:`minivllm.tp_shards.qkv_tp_sizes`), and the MLP's
-    ``intermediate_size`` must divide evenly. The vocabulary is padded, so it
-    never limits ``tp_size``.
+    Read from the module itself (``SIMULATES_ALL_RANKS``), not from the spec's
+    name: a package without its own ``linear`` gets the ref's. A ``linear``
+    module that does not say raises ``ValueError``.
     """
-    from minivllm.tp_shards import qkv_tp_sizes
-
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return [tp for tp in qkv_tp_sizes(heads, kv_heads) if hf_config.intermediate_size % tp == 0]
-
-
-def check_tp_size(hf_config: Any, tp_size: int) -> None:
-    """``ValueError`` naming the model's head counts and the sizes that work, if ``tp_size`` does not."""
-    ok = valid_tp_sizes(hf_config)
-    if tp_size not in ok:
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    linear = backend.get("linear", spec)
+    flag = getattr(linear, "SIMULATES_ALL_RANKS", None)
+    if not isinstance(flag, bool):
         raise ValueError(
-            f"tensor_parallel_size={tp_size} does not split this model "
-            f"(num_attention_heads={heads}, num_key_value_heads={kv_heads}, "
-            f"intermediate_size={hf_config.intermediate_size}); tp sizes that work: {ok}"
+            f"linear module {linear.__name__} must set SIMULATES_ALL_RANKS = True (every rank "
+            f"in one process, like minivllm.ref.linear) or False (one process per rank, like "
+            f"minivllm.fast.linear), got {flag!r}"
         )
+    return flag
 
 
-def _peek_hf_config(model: str) -> Any | None:
+def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp_size: int,
+                  spec: backend.BackendSpec | None = None):
+    """The executor for ``tp_size`` ranks under ``spec`` (default: the global backend).
+
+    One in-process worker for ``tp_size=1`` or simulating linear layers; real
+    worker processes otherwise (:func:`simulates_all_ranks` decides).
+    """
+    check_tp_size(tp_size)
+    with backend.use_backend(spec if spec is not None else backend.get_backend()):
+        if tp_size > 1 and not simulates_all_ranks():
+            from minivllm.engine.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor(model, dtype, device, tp_size)
+        return UniProcExecutor(model, dtype, device, tp_size)
+
+
+def peek_hf_config(model: str) -> Any | None:
     """The model's HF config without loading weights (None for a ``.gguf`` file)."""
     from minivllm.model.loader import resolve_model_path
 
@@ -97,6 +75,16 @@ def _peek_hf_config(model: str) -> Any | None:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def check_model_tp_size(model: str, tp_size: int) -> None:
+    """Refuse a ``tp_size`` that does not split ``model`` before loading anything."""
+    check_tp_size(tp_size)
+    if tp_size == 1:
+        return  # every model runs on one rank
+    hf_config = peek_hf_config(model)
+    if hf_config is not None:  # None for a .gguf file: its layers check while loading
+        check_tp_size(tp_size, hf_config)
 
 
 def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
@@ -115,55 +103,6 @@ def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]
     return [torch.device("cuda", first + r) for r in range(tp_size)]
 
 
-# --------------------------------------------------------------------------
-# The step message: a ModelInput as one int64 tensor
-# --------------------------------------------------------------------------
-
-HEADER_LEN = 8
-CMD_EXECUTE, CMD_INIT_KV_CACHE, CMD_BYTES_PER_BLOCK, CMD_SHUTDOWN = 1, 2, 3, 4
-
-
-def pack_model_input(model_input: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(header (8,), payload (n,))``, both int64 on the CPU.
-
-    header = ``[CMD_EXECUTE, num_tokens, num_seqs, max_blocks_per_seq,
-    num_sampled, max_query_len, max_seq_len, n]``; payload = input_ids,
-    positions, slot_mapping, block_tables (row-major), query_start_loc,
-    seq_lens, logits_indices, end to end.
-    """
-    md = model_input.attn_metadata
-    parts = [model_input.input_ids, model_input.positions, md.slot_mapping, md.block_tables,
-             md.query_start_loc, md.seq_lens, model_input.logits_indices]
-    payload = torch.cat([p.reshape(-1).to("cpu", torch.int64) for p in parts])
-    num_seqs, max_blocks = md.block_tables.shape
-    header = torch.tensor([CMD_EXECUTE, model_input.input_ids.numel(), num_seqs, max_blocks,
-                           model_input.logits_indices.numel(), md.max_query_len, md.max_seq_len,
-                           payload.numel()], dtype=torch.int64)
-    return header, payload
-
-
-def unpack_model_input(header: torch.Tensor, payload: torch.Tensor,
-                       device: str | torch.device) -> ModelInput:
-    """Invert :func:`pack_model_input`, putting the tensors on ``device``."""
-    _, T, S, B, L, _, _, _ = header.tolist()
-    ids, pos, slots, tables, qsl, lens, logits_idx = payload.split([T, T, T, S * B, S + 1, S, L])
-    qsl_host = qsl.tolist()  # the payload is on the CPU: the host copies are free here
-    md = AttentionMetadata.build(
-        query_lens=[b - a for a, b in zip(qsl_host, qsl_host[1:])],
-        seq_lens=lens.tolist(),
-        block_tables=tables.reshape(S, B),
-        slot_mapping=slots,
-        device=device,
-    )
-    ids, pos, logits_idx = ids.to(device), pos.to(device), logits_idx.to(device)
-    return ModelInput(input_ids=ids, positions=pos, attn_metadata=md, logits_indices=logits_idx)
-
-
-# --------------------------------------------------------------------------
-# One process
-# --------------------------------------------------------------------------
-
-
 class UniProcExecutor:
     """One in-process :class:`~minivllm.engine.worker.Worker` (tp=1, or the ref simulation).
 
@@ -179,15 +118,13 @@ class UniProcExecutor:
                  tp_size: int = 1) -> None:
         from minivllm.engine.worker import Worker
 
-        if tp_size > 1 and not getattr(backend.get("linear"), "SIMULATES_ALL_RANKS", False):
+        if tp_size > 1 and not simulates_all_ranks():
             raise ValueError(
                 f"tp_size={tp_size} with real (one process per rank) linear layers needs "
-                "MultiprocExecutor; UniProcExecutor runs tp_size > 1 only with the ref simulation"
+                "MultiprocExecutor; UniProcExecutor runs tp_size > 1 only with linear layers "
+                "that simulate every rank (the ref)"
             )
-        if tp_size > 1:
-            hf_config = _peek_hf_config(model)
-            if hf_config is not None:
-                check_tp_size(hf_config, tp_size)
+        check_model_tp_size(model, tp_size)
         self.tp_size = tp_size
         self.worker = Worker(model, dtype, device, tp_size)
         self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
@@ -196,13 +133,14 @@ class UniProcExecutor:
         """KV-cache bytes per block on this (the only) process."""
         return self.worker.bytes_per_block(block_size)
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the paged KV cache."""
-        self.worker.init_kv_cache(num_blocks, block_size)
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
+                      max_num_blocks_per_req: int | None = None) -> None:
+        """Allocate the paged KV cache and the worker's block table."""
+        self.worker.init_kv_cache(num_blocks, block_size, max_num_reqs, max_num_blocks_per_req)
 
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """One forward pass: ``(num_sampled, vocab)`` float32 logits."""
-        return self.worker.execute_model(model_input)
+    def execute_model(self, step_input: StepInput) -> torch.Tensor | None:
+        """One step: ``(num_sampled, vocab)`` float32 logits (None if no token ran)."""
+        return self.worker.execute_model(step_input)
 
     def check_health(self) -> None:
         """Nothing can die separately here."""
@@ -217,312 +155,3 @@ class UniProcExecutor:
         self.shutdown()
 
 
-# --------------------------------------------------------------------------
-# One process per rank
-# --------------------------------------------------------------------------
-
-
-def _num_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Start a worker without re-running the user's script inside it.
-
-    ``spawn`` normally re-imports ``__main__`` in every child, so that
-    functions defined there can be unpickled; a script without an ``if
-    __name__ == "__main__":`` guard (a tutorial, a notebook) would then run
-    again in each worker. Our worker's entry point lives in this module, so
-    the child does not need ``__main__``: hide it while the child starts.
-    """
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
-def _exit_if_orphaned(parent_pid: int) -> None:
-    """Watchdog thread body: exit this worker as soon as its parent is gone."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def _worker_main(rank: int, tp_size: int, init_method: str, dist_backend: str, model: str,
-                 dtype: torch.dtype, device: torch.device, spec: Any, timeout_s: float,
-                 parent_pid: int, ready: Any, num_threads: int) -> None:
-    """Entry point of worker process ``rank``: join the group, load the model, serve commands."""
-    from minivllm.engine.worker import Worker
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine process's business
-    threading.Thread(target=_exit_if_orphaned, args=(parent_pid,), daemon=True).start()
-    if device.type == "cpu":
-        torch.set_num_threads(num_threads)  # share the cores with the other ranks
-    else:
-        torch.cuda.set_device(device)
-    backend.set_backend(spec)  # the engine's backend choice, not this process's default
-    try:
-        distributed.init_distributed(rank, tp_size, init_method, dist_backend, timeout_s)
-        worker = Worker(model, dtype, device, tp_size)
-    except BaseException:
-        ready.put(("error", rank, traceback.format_exc()))
-        raise
-    ready.put(("ready", rank, None))
-    _serve(worker, device)
-    distributed.destroy_distributed()
-
-
-def _serve(worker: Any, device: torch.device) -> None:
-    """Worker loop: wait for a header from rank 0, act on it, until CMD_SHUTDOWN."""
-    import torch.distributed as dist
-
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    while True:
-        dist.broadcast(header, src=0, group=distributed.get_control_group())
-        cmd = int(header[0])
-        if cmd == CMD_EXECUTE:
-            payload = torch.empty(int(header[-1]), dtype=torch.int64)
-            dist.broadcast(payload, src=0, group=distributed.get_cpu_group())
-            worker.execute_model(unpack_model_input(header, payload, device))  # logits: rank 0
-        elif cmd == CMD_INIT_KV_CACHE:
-            worker.init_kv_cache(int(header[1]), int(header[2]))
-        elif cmd == CMD_BYTES_PER_BLOCK:
-            nbytes = torch.tensor([worker.bytes_per_block(int(header[1]))], dtype=torch.int64)
-            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX, group=distributed.get_cpu_group())
-        elif cmd == CMD_SHUTDOWN:
-            return
-        else:
-            raise RuntimeError(f"tensor-parallel worker: unknown command {cmd}")
-
-
-def _shutdown_if_alive(ref: weakref.ref) -> None:
-    executor = ref()
-    if executor is not None:
-        executor.shutdown()
-
-
-class MultiprocExecutor:
-    """Rank 0 in this process, ranks ``1 .. tp_size-1`` in worker processes.
-
-    Args:
-        model: a registered name, an HF model directory or a ``.gguf`` file.
-        dtype: weight and activation dtype.
-        device: ``"cpu"`` (every rank on the CPU, gloo) or ``"cuda[:N]"``
-            (rank ``r`` on ``cuda:N+r``, NCCL).
-        tp_size: number of ranks.
-        timeout_s: how long a collective waits for a peer before failing
-            (default 60, or ``$MINIVLLM_TP_TIMEOUT_S``).
-    """
-
-    def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int, timeout_s: float | None = None) -> None:
-        from minivllm.engine.worker import Worker
-
-        if not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if getattr(backend.get("linear"), "SIMULATES_ALL_RANKS", False):
-            raise ValueError(
-                "the selected linear layers (ref) simulate every rank in one process; "
-                "use UniProcExecutor, or the fast linear backend for real worker processes"
-            )
-        hf_config = _peek_hf_config(model)
-        if hf_config is not None:
-            check_tp_size(hf_config, tp_size)  # before spawning anything
-        self.tp_size = tp_size
-        self.devices = rank_devices(device, tp_size)
-        self.timeout_s = float(timeout_s or os.environ.get("MINIVLLM_TP_TIMEOUT_S", 60))
-        self.procs: list[Any] = []
-        self._closed = False
-        self._failure: str | None = None
-        self._ready_ranks: set[int] = set()
-        self._old_threads = torch.get_num_threads()
-        threads = max(1, _num_cpus() // tp_size)
-        dist_backend = "nccl" if self.devices[0].type == "cuda" else "gloo"
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
-        self._ready = ctx.Queue()
-        # atexit holds only a weak reference, so that dropping the executor runs __del__.
-        self._atexit = functools.partial(_shutdown_if_alive, weakref.ref(self))
-        atexit.register(self._atexit)
-        try:
-            for rank in range(1, tp_size):
-                p = ctx.Process(
-                    target=_worker_main, name=f"minivllm-tp-worker-{rank}", daemon=True,
-                    args=(rank, tp_size, init_method, dist_backend, model, dtype,
-                          self.devices[rank], backend.get_backend(), self.timeout_s,
-                          os.getpid(), self._ready, threads),
-                )
-                with _main_module_hidden():
-                    p.start()
-                self.procs.append(p)
-            if self.devices[0].type == "cpu":
-                torch.set_num_threads(threads)
-            else:
-                torch.cuda.set_device(self.devices[0])  # NCCL uses the current device
-            self._join_group(init_method, dist_backend)
-            self.worker = Worker(model, dtype, self.devices[0], tp_size)
-            self._wait_until_ready()
-        except BaseException:
-            self.shutdown()
-            raise
-        self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
-
-    # -- liveness -------------------------------------------------------------
-
-    def _dead_workers(self) -> list[str]:
-        return [f"tensor-parallel worker {rank} died (exitcode {p.exitcode})"
-                for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
-
-    def check_health(self) -> None:
-        """Raise ``RuntimeError`` if a worker died or an earlier step failed."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
-        if self._closed:
-            raise RuntimeError("the executor was shut down")
-        dead = self._dead_workers()
-        if dead:
-            self._failure = "; ".join(dead)
-            raise RuntimeError(self._failure)
-
-    def _join_group(self, init_method: str, dist_backend: str) -> None:
-        """Rank 0's rendezvous, watching the workers: one that dies before joining
-        would otherwise leave rank 0 waiting for the whole timeout."""
-        error: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                distributed.init_distributed(0, self.tp_size, init_method, dist_backend,
-                                             self.timeout_s)
-            except BaseException as e:  # handed to the main thread below
-                error.append(e)
-
-        thread = threading.Thread(target=join, daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(timeout=0.2)
-            if thread.is_alive():
-                self._poll_ready(block=False)
-                self.check_health()
-        if error:
-            raise error[0]
-
-    def _poll_ready(self, block: bool) -> None:
-        """Take start-up messages off the queue; raise on a worker's error."""
-        try:
-            status, rank, err = self._ready.get(timeout=0.5) if block else self._ready.get_nowait()
-        except queue.Empty:
-            return
-        if status == "error":
-            self._failure = f"tensor-parallel worker {rank} failed to start:\n{err}"
-            raise RuntimeError(self._failure)
-        self._ready_ranks.add(rank)
-
-    def _wait_until_ready(self) -> None:
-        while len(self._ready_ranks) < self.tp_size - 1:
-            self._poll_ready(block=True)
-            self.check_health()
-
-    def _run(self, fn: Any) -> Any:
-        """Run one collective step on rank 0; a dead peer becomes a clear RuntimeError."""
-        self.check_health()
-        try:
-            return fn()
-        except Exception as e:
-            # A peer that died mid-collective shows up as a gloo/NCCL error (connection
-            # closed, or the timeout); give the OS a moment to report its exit code.
-            deadline = time.monotonic() + 5.0
-            while not self._dead_workers() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            dead = self._dead_workers()
-            self._failure = "; ".join(dead) if dead else f"tensor-parallel step failed: {e}"
-            raise RuntimeError(self._failure) from e
-
-    def _send_header(self, *values: int) -> None:
-        import torch.distributed as dist
-
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=distributed.get_control_group())
-
-    # -- the executor API -----------------------------------------------------
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """KV-cache bytes per block on one rank (the max over ranks; they are equal)."""
-        import torch.distributed as dist
-
-        def step() -> int:
-            self._send_header(CMD_BYTES_PER_BLOCK, block_size)
-            nbytes = torch.tensor([self.worker.bytes_per_block(block_size)], dtype=torch.int64)
-            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX, group=distributed.get_cpu_group())
-            return int(nbytes)
-
-        return self._run(step)
-
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate ``num_blocks`` blocks of this rank's KV heads on every rank."""
-
-        def step() -> None:
-            self._send_header(CMD_INIT_KV_CACHE, num_blocks, block_size)
-            self.worker.init_kv_cache(num_blocks, block_size)
-
-        self._run(step)
-
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor:
-        """Broadcast ``model_input``, run the forward on every rank; logits on rank 0."""
-        import torch.distributed as dist
-
-        header, payload = pack_model_input(model_input)
-
-        def step() -> torch.Tensor:
-            dist.broadcast(header, src=0, group=distributed.get_control_group())
-            dist.broadcast(payload, src=0, group=distributed.get_cpu_group())
-            return self.worker.execute_model(model_input)
-
-        return self._run(step)
-
-    def shutdown(self) -> None:
-        """Stop the workers (politely, then by force) and leave the process group."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self._atexit)
-        if self._failure is None and self.procs and not self._dead_workers():
-            try:
-                self._send_header(CMD_SHUTDOWN)
-            except Exception:
-                pass  # they are stopped below either way
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        distributed.destroy_distributed()
-        torch.set_num_threads(self._old_threads)
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass
-
-    def __enter__(self) -> MultiprocExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()

@@ -2,9 +2,10 @@
 
 The loop that ties every component together::
 
-    scheduler_output = scheduler.schedule()              # who runs, how many tokens
-    model_input, sampling_reqs = runner.prepare_inputs() # batch metadata
-    logits = executor.execute_model(model_input)         # model forward (all TP ranks)
+    scheduler_output = scheduler.schedule()              # who runs, how many tokens, new blocks
+    step_input, sampling_reqs = runner.prepare_inputs()  # the flat batch + block-table changes
+    logits = executor.execute_model(step_input)          # every rank: update its block table,
+                                                         # build metadata, run the forward
     tokens = runner.sample(logits, sampling_reqs)        # one token per finished prefill/decode
     finished = scheduler.update_from_output(...)         # append tokens, check stops, free blocks
     outputs = detokenize(...)                            # text, stop strings, RequestOutputs
@@ -23,8 +24,9 @@ import torch
 from torch.profiler import record_function
 
 from minivllm import backend
-from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
@@ -136,7 +138,9 @@ class LLMEngine:
                     f"({max_pos}), got {max_model_len}"
                 )
             num_blocks = self._num_kv_blocks(device, dtype)
-            self.executor.init_kv_cache(num_blocks, config.block_size)
+            # The KV cache and the block table live on every rank (the worker's).
+            self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
+                                        cdiv(max_model_len, config.block_size))
             worker = getattr(self.executor, "worker", None)
             if device.type == "cuda" and not config.enforce_eager and \
                     config.tensor_parallel_size == 1 and worker is not None:
@@ -150,10 +154,8 @@ class LLMEngine:
             )
             self.cache_config = CacheConfig(config.block_size, num_blocks,
                                             config.enable_prefix_caching)
-            # The block tables live where the model runs, so each step's
-            # block-table and slot-mapping tensors are built there directly.
             self.scheduler = backend.get("scheduler").Scheduler(
-                self.scheduler_config, self.cache_config, device=device
+                self.scheduler_config, self.cache_config
             )
             self.runner = ModelRunner(self.vocab_size, device, config.seed)
         self.device, self.dtype = device, dtype
@@ -274,7 +276,9 @@ class LLMEngine:
         )
         outputs: list[RequestOutput] = []
         finished_ids: list[str] = []
-        if not scheduler_output.is_empty:
+        # A step without tokens still carries block-table changes (aborts,
+        # preemptions) that every worker's table must see before the next one.
+        if not scheduler_output.is_empty or scheduler_output.removed_req_ids:
             outputs = self._run_step(scheduler_output)
             finished_ids = [o.request_id for o in outputs if o.finished]
         stats = StepStats(
@@ -295,11 +299,11 @@ class LLMEngine:
     def _run_step(self, scheduler_output) -> list[RequestOutput]:
         """Prepare inputs, run the model, sample and detokenize one scheduled batch."""
         with record_function("prepare_inputs"):
-            model_input, sampling_reqs = self.runner.prepare_inputs(
-                scheduler_output, self.scheduler.block_tables
-            )
+            step_input, sampling_reqs = self.runner.prepare_inputs(scheduler_output)
         with record_function("forward"):
-            logits = self.executor.execute_model(model_input)
+            logits = self.executor.execute_model(step_input)
+        if scheduler_output.is_empty:
+            return []  # only block-table changes this step
         with record_function("sample"):
             sampler_output = self.runner.sample(logits, sampling_reqs)
             token_ids = sampler_output.sampled_token_ids.tolist()
@@ -372,17 +376,3 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any."""
         self.executor.shutdown()
-
-
-def make_executor(model: str, dtype: torch.dtype, device: torch.device, tp_size: int,
-                  spec: backend.BackendSpec):
-    """One in-process worker, or real worker processes for fast tensor parallelism.
-
-    The ref linear layers simulate every rank in one process, so only the
-    fast (distributed) layers need :class:`MultiprocExecutor`.
-    """
-    from minivllm.engine.executor import MultiprocExecutor, UniProcExecutor
-
-    if tp_size > 1 and backend.resolve("linear", spec) != "ref":
-        return MultiprocExecutor(model, dtype, device, tp_size)
-    return UniProcExecutor(model, dtype, device, tp_size)

@@ -1,13 +1,16 @@
-"""``ModelRunner``: turn a :class:`SchedulerOutput` into model inputs, and logits into tokens.
+"""``ModelRunner``: turn a :class:`SchedulerOutput` into a step's batch, and logits into tokens.
 
-This is the "batch metadata" stage of the pipeline. For every scheduled
-request it takes the tokens the scheduler asked for, lays them end to end in
-one flat batch (no padding), and computes for each token its position and the
-KV-cache slot it writes, plus the per-sequence block tables and lengths that
-attention reads (:class:`~minivllm.metadata.AttentionMetadata`).
+This is the "batch metadata" stage of the pipeline, on the engine's side (rank
+0). For every scheduled request it takes the tokens the scheduler asked for,
+lays them end to end in one flat batch (no padding), and records each token's
+position, each request's query and context length, the rows whose logits are
+sampled, and the block-table changes the scheduler made: a
+:class:`~minivllm.metadata.StepInput`.
 
-It runs on rank 0 only: with tensor parallelism the executor broadcasts the
-finished :class:`~minivllm.metadata.ModelInput` to the other ranks.
+It builds no block table: that lives on every rank, in the
+:class:`~minivllm.engine.worker.Worker`, which applies the changes and builds
+the step's :class:`~minivllm.metadata.AttentionMetadata` itself (as vLLM v1's
+workers do), so the executor sends each rank only what changed.
 """
 
 from __future__ import annotations
@@ -15,17 +18,17 @@ from __future__ import annotations
 import torch
 
 from minivllm import backend
-from minivllm.metadata import AttentionMetadata, ModelInput, SchedulerOutput
+from minivllm.metadata import SchedulerOutput, StepInput
 from minivllm.request import Request
 from minivllm.sampling_metadata import SamplerOutput, SamplingMetadata
 
 
 class ModelRunner:
-    """Builds each step's :class:`ModelInput` and samples from its logits.
+    """Builds each step's :class:`~minivllm.metadata.StepInput` and samples from its logits.
 
     Args:
         vocab_size: the model's vocabulary size (for sampling metadata).
-        device: where the batch tensors live (the model's device).
+        device: where the logits (rank 0's model device) and the sampler live.
         seed: seed of the generator shared by requests without their own seed.
     """
 
@@ -46,45 +49,45 @@ class ModelRunner:
             self.seeded_generators[request.request_id] = g
 
     def remove_request(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
         self.seeded_generators.pop(request_id, None)
 
-    def prepare_inputs(
-        self, scheduler_output: SchedulerOutput, block_tables
-    ) -> tuple[ModelInput, list[Request]]:
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[StepInput, list[Request]]:
         """Flatten the scheduled chunks into one batch.
 
-        Returns the model input and the requests that sample a token this step:
+        Returns the step input and the requests that sample a token this step:
         those whose every token will have been computed after this step (a
         prefill chunk that is not the last one produces no token).
         """
         reqs = scheduler_output.scheduled_requests
-        req_ids = [r.request_id for r in reqs]
+        req_ids = tuple(r.request_id for r in reqs)
         starts = [r.num_computed_tokens for r in reqs]
         counts = [scheduler_output.num_scheduled_tokens[i] for i in req_ids]
 
         token_ids: list[int] = []
         positions: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[Request] = []
         for r, s, n in zip(reqs, starts, counts):
             token_ids.extend(r.all_token_ids[s : s + n])
             positions.extend(range(s, s + n))
-        dev = self.device
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)  # (T,)
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # (T,)
-        attn_metadata = AttentionMetadata.build(
-            query_lens=counts,
-            seq_lens=[s + n for s, n in zip(starts, counts)],
-            block_tables=block_tables.block_table_tensor(req_ids),
-            slot_mapping=block_tables.slot_mapping(req_ids, starts, counts),
-            device=dev,
+            if s + n == r.num_tokens:
+                # Its last scheduled token's logits predict the next token.
+                logits_indices.append(len(token_ids) - 1)
+                sampling.append(r)
+        new_block_ids = scheduler_output.new_block_ids
+        step_input = StepInput(
+            req_ids=req_ids,
+            new_req_ids=frozenset(scheduler_output.new_req_ids),
+            new_block_ids=tuple(tuple(new_block_ids.get(i, ())) for i in req_ids),
+            removed_req_ids=tuple(scheduler_output.removed_req_ids),
+            query_lens=tuple(counts),
+            seq_lens=tuple(s + n for s, n in zip(starts, counts)),
+            input_ids=torch.tensor(token_ids, dtype=torch.int64),  # (T,)
+            positions=torch.tensor(positions, dtype=torch.int64),  # (T,)
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # (num_sampled,)
         )
-        cu_counts = attn_metadata.query_start_loc_host
-        sampling = [i for i, (r, s, n) in enumerate(zip(reqs, starts, counts))
-                    if s + n == r.num_tokens]
-        # The last scheduled token of each sampling request: its logits predict the next.
-        logits_indices = torch.tensor([cu_counts[i + 1] - 1 for i in sampling],
-                                      dtype=torch.int64, device=dev)
-        model_input = ModelInput(input_ids, positions_t, attn_metadata, logits_indices)
-        return model_input, [reqs[i] for i in sampling]
+        return step_input, sampling
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row of ``logits`` (row i belongs to ``requests[i]``)."""

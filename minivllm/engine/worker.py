@@ -1,9 +1,18 @@
-"""``Worker``: one process's model and its slice of the paged KV cache.
+"""``Worker``: one rank's model, its slice of the paged KV cache, and its block table.
 
 With ``tensor_parallel_size=1`` the engine runs a single worker in its own
 process. With tensor parallelism each rank runs one (see
-``minivllm/engine/executor.py``); each rank holds only its own weight shards
-and its own KV heads.
+:mod:`minivllm.engine.multiproc_executor`); each rank holds only its own
+weight shards and its own KV heads.
+
+Each worker owns its block table (``backend.get("block_table")``), as vLLM
+v1's GPU model runner owns its ``BlockTable``: every step it applies the
+changes the scheduler made (:class:`~minivllm.metadata.StepInput`: rows of
+finished and preempted requests dropped, new rows, appended block ids) and
+then builds the step's :class:`~minivllm.metadata.ModelInput`, block tables
+and slot mapping included, on its own device, once. So rank 0 never packs
+whole block tables, and the attention kernels find every per-step length as
+a host copy in the frozen :class:`~minivllm.metadata.AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ import logging
 
 import torch
 
-from minivllm.metadata import ModelInput
+from minivllm import backend
+from minivllm.metadata import AttentionMetadata, ModelInput, StepInput
 
 logger = logging.getLogger("minivllm")
 
@@ -41,6 +51,7 @@ class Worker:
         self.num_kv_heads = attn.num_kv_heads  # this rank's KV heads
         self.head_dim = attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_tables = None  # this rank's BlockTables, made by init_kv_cache
         self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -48,14 +59,59 @@ class Worker:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate one ``(num_blocks, block_size, H_kv, D)`` K and V tensor per layer."""
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
+                      max_num_blocks_per_req: int | None = None) -> None:
+        """Allocate one ``(num_blocks, block_size, H_kv, D)`` K and V tensor per layer,
+        and an empty block table for up to ``max_num_reqs`` requests of up to
+        ``max_num_blocks_per_req`` blocks each (default: the whole pool)."""
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
+        self.block_tables = backend.get("block_table").BlockTables(
+            max_num_reqs, max_num_blocks_per_req or num_blocks, block_size, self.device
+        )
+
+    def update_block_tables(self, step_input: StepInput) -> None:
+        """Apply the scheduler's block-table changes for this step to this rank's table.
+
+        Rows of removed requests go first (a finished id may be reused by a
+        new request in the same step). A new request that still has a row, or
+        blocks for a request without one, raise ``ValueError``: the table is
+        out of step with the scheduler, and reading it would be silently wrong.
+        """
+        tables = self.block_tables
+        for req_id in step_input.removed_req_ids:
+            if tables.has_request(req_id):  # one aborted while waiting never had a row
+                tables.remove_request(req_id)
+        for req_id, block_ids in zip(step_input.req_ids, step_input.new_block_ids):
+            if req_id in step_input.new_req_ids:
+                tables.add_request(req_id)
+            if block_ids:
+                tables.append_blocks(req_id, list(block_ids))
+
+    def prepare_model_input(self, step_input: StepInput) -> ModelInput:
+        """Update the block table, then build this step's model input on this rank's device."""
+        self.update_block_tables(step_input)
+        req_ids = list(step_input.req_ids)
+        starts = [s - q for s, q in zip(step_input.seq_lens, step_input.query_lens)]
+        dev = self.device
+        attn_metadata = AttentionMetadata.build(
+            query_lens=step_input.query_lens,
+            seq_lens=step_input.seq_lens,
+            block_tables=self.block_tables.block_table_tensor(req_ids),
+            slot_mapping=self.block_tables.slot_mapping(req_ids, starts,
+                                                        list(step_input.query_lens)),
+            device=dev,
+        )
+        return ModelInput(
+            input_ids=step_input.input_ids.to(dev),
+            positions=step_input.positions.to(dev),
+            attn_metadata=attn_metadata,
+            logits_indices=step_input.logits_indices.to(dev),
+        )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int) -> bool:
         """Capture decode steps as CUDA graphs (see ``cuda_graph.py``); True on success.
@@ -64,7 +120,6 @@ class Worker:
         ref twins synchronise with the host, which a graph cannot record). Any
         failure leaves the worker running eagerly, with a warning.
         """
-        from minivllm import backend
         from minivllm.engine.cuda_graph import CUDAGraphRunner
 
         if self.device.type != "cuda":
@@ -83,13 +138,20 @@ class Worker:
         self.graph_runner = runner
         return True
 
-    @torch.inference_mode()
-    def execute_model(self, model_input: ModelInput) -> torch.Tensor | None:
-        """Run one forward pass; return ``(num_sampled, vocab)`` float32 logits.
+    def execute_model(self, step_input: StepInput) -> torch.Tensor | None:
+        """One engine step on this rank: ``(num_sampled, vocab)`` float32 logits.
 
-        Tensor-parallel ranks other than 0 return None (the logits are gathered
-        to rank 0).
+        None when the step only changes the block table (no tokens), and on
+        tensor-parallel ranks other than 0 (the logits are gathered to rank 0).
         """
+        model_input = self.prepare_model_input(step_input)
+        if step_input.num_tokens == 0:
+            return None
+        return self.run_model(model_input)
+
+    @torch.inference_mode()
+    def run_model(self, model_input: ModelInput) -> torch.Tensor | None:
+        """The forward pass alone, on a complete :class:`~minivllm.metadata.ModelInput`."""
         if self.graph_runner is not None and self.graph_runner.can_run(model_input):
             hidden = self.graph_runner.run(model_input)
         else:

@@ -64,6 +64,13 @@ def _check(query, k_cache, v_cache, metadata: AttentionMetadata) -> None:
             f"query, k_cache and v_cache must share a dtype, got {query.dtype}, "
             f"{k_cache.dtype}, {v_cache.dtype}"
         )
+    if metadata.query_start_loc_host[-1] != query.shape[0]:
+        # Metadata built for another batch (e.g. the previous step's) must not be reused.
+        raise ValueError(
+            f"query has {query.shape[0]} rows but the metadata describes "
+            f"query_start_loc_host[-1] = {metadata.query_start_loc_host[-1]} query tokens "
+            f"(metadata from another step?)"
+        )
     num_seqs = metadata.seq_lens.shape[0]
     if metadata.query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(

@@ -32,12 +32,13 @@ BLOCK_D]`` tile (``BLOCK_G`` = the group padded to a power of two >= 16, the
 smallest ``tl.dot`` operand); head dims that are not powers of two (80, 96,
 40, 24) are padded to ``BLOCK_D`` and masked.
 
-Memory traffic of the ref twin (:mod:`minivllm.ref.attention`) for a decode
-batch: it gathers every sequence's K and V into a padded
-``(num_seqs, max_seq_len, H_kv, D)`` copy (read + write of the whole context,
-padded to the longest sequence), reads it again, upcasts it to float32
-(another read + write at twice the size), writes and reads the
-``(num_seqs, H, max_seq_len)`` scores and probabilities. This kernel reads each
+Memory traffic of the ref twin (:mod:`minivllm.ref.attention`, a textbook
+loop over sequences) for a decode batch: for each sequence it gathers K and V
+into a contiguous copy (read + write of the context), expands the copy to one
+per query head (``GROUP`` times the bytes), upcasts 16-bit caches to float32
+(twice that again), reads it in the matmuls, and writes and reads the
+``(H, 1, seq_len)`` float32 scores several times: about 27x the K/V bytes for
+bf16 with ``GROUP = 4`` (tutorial 04 counts it). This kernel reads each
 sequence's own K/V once (``2 * sum(seq_lens) * H_kv * D`` elements), the
 queries once, and writes the output once, plus the small float32 partials.
 """

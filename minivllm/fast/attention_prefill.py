@@ -27,13 +27,14 @@ ids from ``query_start_loc[i] // BLOCK_Q + i`` on leaves room for its
 num_seqs`` is known on the host without reading any device tensor. Programs
 past the end of their sequence's rows exit at once.
 
-Memory traffic of the ref twin (:mod:`minivllm.ref.attention`), per prefill
-sequence: gather K and V (read + write ``2 * seq_len * H_kv * D``), upcast
-both to float32, build the full ``(H, query_len, seq_len)`` score and
-probability matrices in memory (``2 * H * query_len * seq_len`` floats,
-written and read), one sequence after another. This kernel reads Q once,
-each needed K/V tile once per query block, writes O once, and never stores
-scores.
+Memory traffic of the ref twin (:mod:`minivllm.ref.attention`, a textbook
+loop over sequences), per sequence: gather K and V into a contiguous copy
+(read + write ``2 * seq_len * H_kv * D``), expand it to one copy per query
+head (GQA) and upcast it to float32, then build the full ``(H, query_len,
+seq_len)`` score and probability matrices in memory (written and read by the
+scale, the mask, the softmax and the weighted sum), one sequence after
+another. This kernel reads Q once, each needed K/V tile once per query block,
+writes O once, and never stores scores.
 """
 
 from __future__ import annotations

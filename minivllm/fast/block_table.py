@@ -26,7 +26,7 @@ __all__ = ["BlockTables"]
 
 
 class BlockTables:
-    """The block tables of every running request.
+    """The block tables of every running request (one worker's copy).
 
     Args:
         max_num_reqs: most requests held at once (the scheduler's ``max_num_seqs``).
@@ -95,6 +95,10 @@ class BlockTables:
         self._dirty_rows.add(row)
         del self._row_of[req_id]
         self._free_rows.append(row)
+
+    def has_request(self, req_id: str) -> bool:
+        """True if ``req_id`` has a block table."""
+        return req_id in self._row_of
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """A copy of ``req_id``'s physical block ids, in logical order."""

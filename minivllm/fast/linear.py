@@ -1,5 +1,14 @@
 """Tensor-parallel linear layers, for real: one process per rank.
 
+**Contract: different from the ref twin's, under the same names.** Here a
+layer's output is *this rank's shard* (column-parallel layers, the QKV
+projection), and ``QKVParallelLinear.num_heads`` / ``.num_kv_heads`` count
+this rank's heads; :mod:`minivllm.ref.linear` returns the dense output and
+the totals, because it computes every rank in one process. At ``tp_size=1``
+the two are the same layer. ``SIMULATES_ALL_RANKS = False`` tells the
+executor to start one process per rank.
+``tests/test_linear.py::test_twins_contracts`` checks both halves.
+
 The same layers as :mod:`minivllm.ref.linear` (read that first: it explains
 column- and row-parallel splitting and shows every rank side by side). Here
 each process holds only *its own* rank's shard, ``1/tp_size`` of the memory,
@@ -55,7 +64,7 @@ __all__ = [
     "qkv_tp_sizes", "vocab_partition",
 ]
 
-#: False: one process per rank (see :mod:`minivllm.engine.executor`).
+#: False: one process per rank (see :func:`minivllm.engine.executor.simulates_all_ranks`).
 SIMULATES_ALL_RANKS = False
 
 

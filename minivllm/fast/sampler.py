@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.ref.sampler import gather_logprobs  # the same gather: nothing to speed up
 from minivllm.sampling_metadata import (
-    LogprobsTensors,
     SamplerOutput,
     SamplingMetadata,
     draw_exponentials,
@@ -155,17 +155,3 @@ def _apply_top_k_top_p(
     remove = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits.masked_fill_(remove, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)  # unsort
-
-
-def gather_logprobs(
-    logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
-) -> LogprobsTensors:
-    """The sampled token's logprob and rank, plus the ``num_logprobs`` best per row."""
-    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # (N, K)
-    sampled_logprob = logprobs.gather(1, sampled[:, None])  # (N, 1)
-    ranks = (logprobs >= sampled_logprob).sum(dim=-1)  # (N,)
-    return LogprobsTensors(
-        logprob_token_ids=torch.cat([sampled[:, None], top_ids], dim=1),
-        logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
-        selected_token_ranks=ranks,
-    )

@@ -5,28 +5,20 @@ cache, rejection) is exactly :mod:`minivllm.ref.scheduler`'s; read that file
 for it. This twin subclasses the ref and keeps its :meth:`schedule`
 unchanged on purpose: the decision loop is a handful of integer comparisons
 per request, and sharing the code is the surest way to make the same
-decisions. What it replaces is the bookkeeping around the loop, where the
-ref does O(n) work per request:
+decisions. It changes one thing:
 
-- It uses :mod:`minivllm.fast.kv_cache_manager`: per-request block lists kept
-  in place (no copies from the block tables every step), a fast path that
-  skips the allocator for decodes whose last block still has room, and block
-  hashes kept across preemptions.
 - :meth:`update_from_output` removes finished requests from ``running`` in
   one pass at the end, instead of ``list.remove`` per finished request
   (O(running) each, so O(running x finished) per step).
 
-Together with the fast block allocator (O(1) free queue) and block tables
-(preallocated tensor, vectorised slot mapping) that the swap layer hands it,
-this is what ``python -m minivllm.bench host`` measures.
+The rest of the speed comes from the twins the swap layer hands it: the fast
+block allocator (O(1) free queue) and the fast KV cache manager (a decode
+fast path that skips the allocator). That is what
+``python -m minivllm.bench host`` measures.
 """
 
 from __future__ import annotations
 
-import torch
-
-from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.fast.kv_cache_manager import KVCacheManager
 from minivllm.metadata import SchedulerOutput
 from minivllm.ref import scheduler as _ref
 from minivllm.request import Request, RequestStatus, check_stop
@@ -40,20 +32,9 @@ class Scheduler(_ref.Scheduler):
     Args:
         scheduler_config: budget, ``max_num_seqs``, ``max_model_len``, chunking.
         cache_config: ``num_blocks`` (the pool), ``block_size``, prefix caching.
-        device: where ``block_tables`` builds its tensors for the model runner.
-
-    The block allocator and the block tables are whichever implementations
-    the swap layer selects when the scheduler is built.
+        kv_cache_manager_cls: the ``KVCacheManager`` class to build on the
+            block allocator; None takes the one the swap layer selects.
     """
-
-    def __init__(
-        self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        super().__init__(scheduler_config, cache_config, device)
-        self.kv_cache_manager = KVCacheManager(self.block_allocator, self.block_tables)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]

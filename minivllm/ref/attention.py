@@ -1,44 +1,44 @@
-"""Paged attention over a mixed batch of prefill chunks and decodes.
+"""Paged attention over a mixed batch of prefill chunks and decodes: the textbook version.
 
 The batch is one flattened stream of query tokens (see
-:class:`minivllm.metadata.AttentionMetadata`). Sequence ``i`` contributes
-``query_len`` rows, the *last* ``query_len`` of its ``seq_len`` tokens, and its
-keys/values for all ``seq_len`` tokens are already in the paged cache (the
-model wrote this step's K/V with ``reshape_and_cache`` before calling us).
+:class:`minivllm.metadata.AttentionMetadata`). Sequence ``i`` owns query rows
+``query_start_loc[i] : query_start_loc[i + 1]``: the *last* ``query_len`` of
+its ``seq_len`` tokens. The keys and values of all ``seq_len`` tokens are
+already in the paged cache (the model wrote this step's K/V with
+``reshape_and_cache`` before calling us). A decode is simply a sequence with
+``query_len == 1``; nothing below treats it specially.
 
-Query row ``j`` of sequence ``i`` sits at absolute position
-``context_len + j`` (``context_len = seq_len - query_len``) and may attend to
-cached positions ``0 .. context_len + j``: causal, with the prefix
-(prefix-cache hits, earlier chunks) fully visible.
+For each sequence, one after another:
 
-GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+1. **Gather** its K and V out of the paged cache. Token ``p`` lives in block
+   ``block_table[p // block_size]`` at offset ``p % block_size``; only the
+   ``seq_len`` valid rows are read (never padding, never other sequences' slots).
+2. **Scores.** Query head ``h`` reads KV head ``h // group`` with
+   ``group = num_heads // num_kv_heads`` (GQA; ``group == 1`` is plain
+   multi-head attention). ``scores[h, j, p] = scale * q[j, h] . k[p, h // group]``.
+3. **Causal mask, shifted by the cached context.** With
+   ``context_len = seq_len - query_len``, query row ``j`` sits at absolute
+   position ``context_len + j`` and may see keys ``p <= context_len + j``: the
+   whole cached prefix (earlier chunks, prefix-cache hits) and itself.
+4. **Softmax** over ``p``, in float32, so 16-bit inputs do not lose the
+   small probabilities.
+5. **Weighted sum** of the values: ``out[j, h] = sum_p probs[h, j, p] v[p, h // group]``.
 
-The reference gathers each sequence's blocks out of the cache into a
-contiguous tensor and hands the rest to torch's
-``scaled_dot_product_attention`` (``softmax(q k^T * scale) v`` with a mask):
+This is what the tutorials teach and what the equivalence tests trust. Speed
+is not its job: it copies every sequence's K/V once more (the gather), upcasts
+it to float32, and writes and reads a ``(num_heads, query_len, seq_len)`` score
+matrix. The Triton twin (:mod:`minivllm.fast.attention`) reads the blocks in
+place with an online softmax and never stores scores.
 
-- decode rows (``query_len == 1``) are batched: sorted by context length and
-  taken in groups of :data:`DECODE_GROUP`, each gathered into a padded
-  ``(group, longest, H_kv, D)`` tensor with the padding masked out (sorting
-  keeps the padding small);
-- prefill chunks run one sequence at a time (a step holds few of them), each
-  with a causal mask shifted by its cached context.
-
-How the batch splits into these pieces, and their masks, is the same for every
-layer of a step, so it is planned once (on the first layer) and reused.
-
-Memory traffic: the gather copies every sequence's K and V context once more
-before attention reads it (the Triton twin reads the blocks in place), and the
-decode groups still pay for some padding.
+It loops over sequences on the host using the metadata's host copies
+(``query_start_loc_host``, ``seq_lens_host``), so it never reads a device
+tensor back, and keeps no state between calls: the same metadata in gives
+the same output, a different batch needs its own metadata.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from minivllm.metadata import AttentionMetadata
 
@@ -48,94 +48,63 @@ def gather_kv(
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
     max_len: int,
 ) -> torch.Tensor:  # (num_seqs, max_len, H_kv, D)
-    """Copy each sequence's cached rows, in order, out of the paged cache."""
-    # BEGIN SOLUTION
-    num_seqs = block_tables.shape[0]
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    num_blocks_needed = (max_len + block_size - 1) // block_size
-    block_ids = block_tables[:, :num_blocks_needed].reshape(-1).long()  # (S * nb,)
-    # One row per block: index_select copies whole rows, much faster than
-    # advanced indexing (cache[block_tables]) on a CPU.
-    blocks = cache.flatten(1).index_select(0, block_ids)  # (S * nb, bs * H_kv * D)
-    return blocks.view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    # END SOLUTION
+    """Copy the first ``max_len`` cached rows of each sequence, in order, out of the paged cache.
 
-
-#: Decode sequences attended to together (after sorting by context length).
-DECODE_GROUP = 16
-
-
-def _sdpa(
-    q: torch.Tensor,  # (S, Q, H, D)
-    k: torch.Tensor,  # (S, L, H_kv, D)
-    v: torch.Tensor,  # (S, L, H_kv, D)
-    allowed: torch.Tensor,  # (S, Q, L) bool: may query row attend to key column
-    scale: float,
-) -> torch.Tensor:  # (S, Q, H, D)
-    # SDPA wants heads before tokens: (S, H, Q, D); GQA repeats each KV head.
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
-    )
-    return out.transpose(1, 2)
-
-
-@dataclass
-class _Work:
-    """One SDPA call's worth of sequences: the same for every layer of a step."""
-
-    rows: torch.Tensor | slice  # query rows: a list of decode rows, or one prefill chunk
-    tables: torch.Tensor  # (S, max_blocks) block tables of these sequences
-    max_len: int  # longest context among them
-    allowed: torch.Tensor  # (S, Q, L) bool attention mask
-
-
-#: The most recent step's plan, keyed by its metadata object (a weak reference,
-#: so a new step's metadata never matches an old one).
-_last_plan: tuple[weakref.ref, list[_Work]] | None = None
-
-
-def _plan(metadata: AttentionMetadata) -> list[_Work]:
-    """Split the batch into decode groups and prefill chunks, with their masks.
-
-    Every layer of a step attends over the same sequences with the same masks,
-    so this runs on the first layer and is remembered (for that metadata object
-    only) for the rest.
+    Row ``p`` of sequence ``i`` is slot ``p % block_size`` of block
+    ``block_tables[i, p // block_size]``. Only the blocks that hold those rows
+    are read.
     """
     # BEGIN SOLUTION
-    global _last_plan
-    if _last_plan is not None and _last_plan[0]() is metadata:
-        return _last_plan[1]
-    dev = metadata.seq_lens.device
-    qsl = metadata.query_start_loc_host
-    seq_lens = metadata.seq_lens_host
-    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-    plan = []
-
-    # Decodes: one query row each, in groups of similar context length.
-    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
-    for g in range(0, len(decodes), DECODE_GROUP):
-        group = decodes[g : g + DECODE_GROUP]
-        lens = torch.tensor([seq_lens[i] for i in group], device=dev)
-        max_len = seq_lens[group[-1]]  # sorted: the last is the longest
-        positions = torch.arange(max_len, device=dev)
-        allowed = (positions[None, :] < lens[:, None])[:, None, :]  # (G, 1, L)
-        rows = torch.tensor([qsl[i] for i in group], device=dev)
-        plan.append(_Work(rows, metadata.block_tables[group], max_len, allowed))
-
-    # Prefill chunks: one sequence at a time, causal, shifted by the cached context.
-    for i, n in enumerate(query_lens):
-        if n <= 1:
-            continue
-        seq_len, start = seq_lens[i], qsl[i]
-        q_pos = seq_len - n + torch.arange(n, device=dev)
-        k_pos = torch.arange(seq_len, device=dev)
-        allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, n, L)
-        plan.append(_Work(slice(start, start + n), metadata.block_tables[i : i + 1], seq_len,
-                          allowed))
-    _last_plan = (weakref.ref(metadata), plan)
-    return plan
+    num_seqs = block_tables.shape[0]
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    num_blocks = (max_len + block_size - 1) // block_size
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long()  # (S * num_blocks,)
+    blocks = cache.index_select(0, block_ids)  # (S * num_blocks, block_size, H_kv, D)
+    rows = blocks.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    return rows[:, :max_len]
     # END SOLUTION
+
+
+def _check(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
+) -> None:
+    """Raise ``ValueError`` naming the field when the inputs do not fit together."""
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be (num_tokens, num_heads, head_dim), got {tuple(query.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, "
+            f"head_dim), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} must equal query head_dim {head_dim}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    qsl = md.query_start_loc_host
+    if len(qsl) != md.num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc_host must have num_seqs + 1 = {md.num_seqs + 1} entries, "
+            f"got {len(qsl)}"
+        )
+    if qsl[-1] != query.shape[0]:
+        # Metadata built for another batch (e.g. the previous step's) must not be reused.
+        raise ValueError(
+            f"query has {query.shape[0]} rows but the metadata describes "
+            f"query_start_loc_host[-1] = {qsl[-1]} query tokens (metadata from another step?)"
+        )
+    capacity = md.block_tables.shape[1] * k_cache.shape[1]
+    for i, (query_len, seq_len) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
+        if not 0 <= query_len <= seq_len <= capacity:
+            raise ValueError(
+                f"sequence {i}: need 0 <= query_len ({query_len}) <= seq_lens_host "
+                f"({seq_len}) <= block_tables width * block_size ({capacity})"
+            )
 
 
 def paged_attention(
@@ -145,17 +114,48 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    """Causal attention of every query row over its sequence's cached K/V."""
+    """``softmax(q k^T * scale + causal mask) v`` for every query row, over its sequence's cache.
+
+    Sequence by sequence, as the module docstring describes: gather, scores
+    with the GQA head mapping, causal mask shifted by the cached context,
+    float32 softmax, weighted sum of values.
+    """
+    _check(query, k_cache, v_cache, metadata)
     # BEGIN SOLUTION
+    num_heads = query.shape[1]
+    group = num_heads // k_cache.shape[2]
+    # GQA: query head h reads KV head h // group.
+    kv_head = torch.arange(num_heads, device=query.device) // group  # (H,)
     out = torch.empty_like(query)
-    for work in _plan(metadata):
-        k = gather_kv(k_cache, work.tables, work.max_len)  # (S, L, H_kv, D)
-        v = gather_kv(v_cache, work.tables, work.max_len)
-        if isinstance(work.rows, slice):  # a prefill chunk: (1, n, H, D)
-            q = query[work.rows][None]
-            out[work.rows] = _sdpa(q, k, v, work.allowed, scale)[0]
-        else:  # a group of decodes: (G, 1, H, D)
-            q = query[work.rows][:, None]
-            out[work.rows] = _sdpa(q, k, v, work.allowed, scale)[:, 0]
+    qsl = metadata.query_start_loc_host
+    for i, seq_len in enumerate(metadata.seq_lens_host):
+        start, end = qsl[i], qsl[i + 1]
+        query_len = end - start
+        if query_len == 0:
+            continue
+        context_len = seq_len - query_len  # tokens cached before this step's chunk
+
+        # 1. Gather this sequence's keys and values: (seq_len, H_kv, D).
+        table = metadata.block_tables[i : i + 1]  # (1, max_blocks)
+        k = gather_kv(k_cache, table, seq_len)[0]
+        v = gather_kv(v_cache, table, seq_len)[0]
+
+        # 2. Scores, one KV head per query head: (H, query_len, seq_len).
+        q = query[start:end].float()  # (query_len, H, D)
+        k = k.index_select(1, kv_head).float()  # (seq_len, H, D)
+        v = v.index_select(1, kv_head).float()  # (seq_len, H, D)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+
+        # 3. Causal mask shifted by the cached context: row j sees keys 0 .. context_len + j.
+        q_pos = context_len + torch.arange(query_len, device=query.device)  # (query_len,)
+        k_pos = torch.arange(seq_len, device=query.device)  # (seq_len,)
+        visible = k_pos[None, :] <= q_pos[:, None]  # (query_len, seq_len)
+        scores = scores.masked_fill(~visible, float("-inf"))
+
+        # 4. Softmax over the keys, in float32.
+        probs = torch.softmax(scores, dim=-1)  # (H, query_len, seq_len)
+
+        # 5. Weighted sum of the values: (query_len, H, D).
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
     # END SOLUTION

@@ -23,7 +23,8 @@ Three ideas, all from vLLM v1's ``BlockPool``:
 
 This reference twin keeps the free queue as a plain Python list: popping the
 head and removing a block from the middle (a cache hit on a free block) both
-cost O(num_blocks). :mod:`minivllm.fast.block_allocator` makes them O(1).
+cost O(num_blocks). :mod:`minivllm.fast.block_allocator` subclasses this class
+and replaces only the four free-queue methods at the bottom, making them O(1).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class BlockAllocator:
         self.block_hashes: list[int | None] = [None] * num_blocks
         # hash -> the block that holds those tokens (one block per hash).
         self.cached_block_hash_to_block: dict[int, int] = {}
-        # Free blocks in eviction order: head (index 0) is recycled first.
-        self.free_block_queue: list[int] = list(range(num_blocks))
+        # Free blocks in eviction order: the head is recycled first.
+        self._init_free_queue(range(num_blocks))
 
     # -- queries ---------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class BlockAllocator:
             )
         block_ids = []
         for _ in range(num_blocks):
-            block_id = self.free_block_queue.pop(0)  # O(num_blocks): shifts the list
+            block_id = self._pop_free_head()
             self._evict(block_id)  # its old K/V are about to be overwritten
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -118,7 +119,7 @@ class BlockAllocator:
                 raise ValueError(f"block {block_id} is already free (double free)")
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self.free_block_queue.append(block_id)
+                self._push_free_tail(block_id)
         # END SOLUTION
 
     # -- prefix caching --------------------------------------------------------
@@ -143,7 +144,7 @@ class BlockAllocator:
         for block_id in block_ids:
             self._check_id(block_id)
             if self.ref_counts[block_id] == 0:
-                self.free_block_queue.remove(block_id)  # O(num_blocks) scan
+                self._remove_free(block_id)  # a hit on a free block: out of the middle
             self.ref_counts[block_id] += 1
         # END SOLUTION
 
@@ -179,6 +180,20 @@ class BlockAllocator:
         self.block_hashes = [None] * self.num_blocks
         return True
         # END SOLUTION
+
+    # -- the free queue (the fast twin overrides exactly these four) ---------------
+
+    def _init_free_queue(self, block_ids: Iterable[int]) -> None:
+        self.free_block_queue: list[int] = list(block_ids)  # index 0 is the head
+
+    def _pop_free_head(self) -> int:
+        return self.free_block_queue.pop(0)  # O(num_blocks): shifts the whole list
+
+    def _push_free_tail(self, block_id: int) -> None:
+        self.free_block_queue.append(block_id)
+
+    def _remove_free(self, block_id: int) -> None:
+        self.free_block_queue.remove(block_id)  # O(num_blocks) scan
 
     # -- helpers ---------------------------------------------------------------
 

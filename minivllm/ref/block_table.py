@@ -16,6 +16,13 @@ Each step the model runner needs two tensors from here:
 - ``slot_mapping``: ``(num_tokens,)`` int64, where each *new* token's K/V is
   written (:mod:`minivllm.ref.cache_write`).
 
+Who owns the table: the worker, on every rank (:mod:`minivllm.engine.worker`),
+as in vLLM v1 where the GPU model runner owns its ``BlockTable``. The
+scheduler decides which blocks a request gets and sends only the changes each
+step (``SchedulerOutput.new_block_ids``, plus the finished and preempted
+requests, whose rows are dropped); each worker applies them here, and builds
+the two tensors on its own device.
+
 This reference twin keeps a dict of Python lists and builds both tensors with
 plain Python, a row and a token at a time, which is easy to check by eye.
 :mod:`minivllm.fast.block_table` keeps a preallocated tensor and vectorises.
@@ -29,7 +36,7 @@ __all__ = ["BlockTables"]
 
 
 class BlockTables:
-    """The block tables of every running request.
+    """The block tables of every running request (one worker's copy).
 
     Args:
         max_num_reqs: most requests held at once (the scheduler's ``max_num_seqs``).
@@ -83,6 +90,10 @@ class BlockTables:
         """Drop ``req_id``'s table (its blocks are freed by the allocator, not here)."""
         self._table(req_id)
         del self.block_ids[req_id]
+
+    def has_request(self, req_id: str) -> bool:
+        """True if ``req_id`` has a block table."""
+        return req_id in self.block_ids
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """A copy of ``req_id``'s physical block ids, in logical order."""

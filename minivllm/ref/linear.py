@@ -1,5 +1,14 @@
 """Tensor-parallel linear layers, simulated: every rank's shard in one process.
 
+**Contract: different from the fast twin's, under the same names.** Here a
+layer's output is always the *dense* (``tp_size=1``) output, and
+``QKVParallelLinear.num_heads`` / ``.num_kv_heads`` are the model's totals;
+:mod:`minivllm.fast.linear` returns *this rank's shard* and per-rank head
+counts. At ``tp_size=1`` the two are the same layer. The model code works
+with either, because it reads the head counts from the layer; the executor
+knows which it has from ``SIMULATES_ALL_RANKS`` (one process, or one per
+rank). ``tests/test_linear.py::test_twins_contracts`` checks both halves.
+
 Tensor parallelism (Megatron-LM, as vLLM does it) splits each weight matrix
 across ``tp_size`` GPUs ("ranks") so that each holds ``1/tp_size`` of it:
 

@@ -35,12 +35,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-import torch
-
 from minivllm import backend
-from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.metadata import SchedulerOutput
-from minivllm.ref.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.request import Request, RequestStatus, check_stop
 
 __all__ = ["Scheduler"]
@@ -52,18 +49,22 @@ class Scheduler:
     Args:
         scheduler_config: budget, ``max_num_seqs``, ``max_model_len``, chunking.
         cache_config: ``num_blocks`` (the pool), ``block_size``, prefix caching.
-        device: where ``block_tables`` builds its tensors for the model runner.
+        kv_cache_manager_cls: the ``KVCacheManager`` class to build on the
+            block allocator; None takes the one the swap layer selects
+            (``backend.get("kv_cache_manager")``).
 
-    The block allocator and the block tables are whichever implementations
-    the swap layer selects when the scheduler is built
-    (``backend.get("block_allocator")``, ``backend.get("block_table")``).
+    The block allocator is whichever implementation the swap layer selects
+    when the scheduler is built (``backend.get("block_allocator")``). The
+    scheduler holds no block *table*: each step it reports the block ids it
+    handed out (``SchedulerOutput.new_block_ids``), and the worker that owns
+    the table on the model's device applies them.
     """
 
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        device: str | torch.device = "cpu",
+        kv_cache_manager_cls: type | None = None,
     ) -> None:
         if cache_config.num_blocks < 1:
             raise ValueError(f"cache_config.num_blocks must be >= 1, got {cache_config.num_blocks}")
@@ -74,13 +75,9 @@ class Scheduler:
         self.block_allocator = backend.get("block_allocator").BlockAllocator(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.block_tables = backend.get("block_table").BlockTables(
-            scheduler_config.max_num_seqs,
-            cdiv(scheduler_config.max_model_len, cache_config.block_size),
-            cache_config.block_size,
-            device,
-        )
-        self.kv_cache_manager = KVCacheManager(self.block_allocator, self.block_tables)
+        if kv_cache_manager_cls is None:
+            kv_cache_manager_cls = backend.get("kv_cache_manager").KVCacheManager
+        self.kv_cache_manager = kv_cache_manager_cls(self.block_allocator)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
@@ -160,6 +157,7 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}  # what each scheduled request's table gains
         preempted_req_ids: list[str] = []
         num_cache_queries = num_cache_hits = 0
 
@@ -171,7 +169,10 @@ class Scheduler:
             if num_new_tokens == 0:  # nothing to compute until a token is sampled
                 req_index += 1
                 continue
-            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
                 victim = self.running.pop()  # the most recently admitted request
                 self._preempt(victim)
                 preempted_req_ids.append(victim.request_id)
@@ -181,6 +182,7 @@ class Scheduler:
                 break  # it preempted itself: no blocks left for anyone behind it
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = new_blocks
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -211,6 +213,9 @@ class Scheduler:
             num_cache_hits += num_computed_tokens
             scheduled_new.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            # A new row in the worker's table: all its blocks, prefix-cache hits first.
+            new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
+                request.request_id)
             token_budget -= num_new_tokens
 
         output = SchedulerOutput(
@@ -219,6 +224,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             preempted_req_ids=preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
+            new_req_ids=[r.request_id for r in scheduled_new],
+            new_block_ids=new_block_ids,
             num_prefix_cache_queries=num_cache_queries,
             num_prefix_cache_hits=num_cache_hits,
         )
@@ -227,7 +234,12 @@ class Scheduler:
         # END SOLUTION
 
     def _preempt(self, request: Request) -> None:
-        """Free ``request``'s blocks and send it to the front of the queue to recompute."""
+        """Free ``request``'s blocks and send it to the front of the queue to recompute.
+
+        Its chained block hashes stay on the request (vLLM v1 does the same):
+        re-admitted, it looks its prompt up in the prefix cache without
+        hashing it again.
+        """
         # BEGIN SOLUTION
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED

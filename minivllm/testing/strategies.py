@@ -5,6 +5,12 @@ examples, no deadline, derandomised so CI is reproducible), ``cuda``
 (bigger grids on a GPU) and ``grade`` (``minivllm course grade``: the ``ci``
 examples without the shrink phase, so a failing submission is reported in
 seconds, with the example that failed). Select with ``HYPOTHESIS_PROFILE``.
+
+The allocator and scheduler state machines are cheap (milliseconds per run),
+so :func:`stateful_settings` gives them more runs and longer runs than the
+profile's default on top of whichever profile is loaded: in CI they stay
+derandomised (the same runs every time) but explore enough to reach shared
+blocks, preemption and prefix-cache hits on purpose.
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ settings.register_profile("cuda", max_examples=200, **_common)
 settings.register_profile("grade", max_examples=25, derandomize=True, print_blob=False,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate], **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def stateful_settings(max_examples: int, step_count: int) -> settings:
+    """The loaded profile, with at least ``max_examples`` runs of up to ``step_count`` rules."""
+    return settings(
+        max_examples=max(max_examples, settings.default.max_examples),
+        stateful_step_count=step_count,
+    )
+
 
 #: Awkward sizes the kernel tests draw from.
 HEAD_DIMS = [64, 80, 96, 128]

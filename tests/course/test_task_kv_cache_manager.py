@@ -47,10 +47,8 @@ def test_a_full_hit_still_computes_the_last_token():
 
 
 def test_allocate_slots_refuses_without_side_effects():
-    mod = backend.get("scheduler")
     alloc = backend.get("block_allocator").BlockAllocator(3, 2, True)
-    tables = backend.get("block_table").BlockTables(4, 8, 2)
-    kv = mod.KVCacheManager(alloc, tables)
+    kv = backend.get("kv_cache_manager").KVCacheManager(alloc)
     r = request("r", [1, 2, 3, 4, 5], 3)
     assert kv.get_computed_blocks(r) == ([], 0)
     assert kv.allocate_slots(r, 5) == [0, 1, 2]
