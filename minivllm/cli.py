@@ -11,6 +11,8 @@ EXAMPLES = """examples:
     minivllm generate "The capital of France is"      # complete a prompt
     minivllm generate --chat "What is paging?"         # answer through the chat template
     minivllm chat                                      # interactive REPL, streaming tokens
+    minivllm serve smollm2 --port 8000                 # OpenAI-compatible HTTP server
+    minivllm bench serve --compare-offline             # online latency / throughput
     minivllm bench throughput [--compare hf]           # offline throughput benchmark
     minivllm bench host | kernels | tp                 # component benchmarks
     minivllm download smollm2                          # fetch + convert the default model
@@ -155,6 +157,22 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from minivllm.engine.async_llm import AsyncLLM
+        from minivllm.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        raise SystemExit(f"minivllm serve needs the serve extra: pip install 'minivllm[serve]' "
+                         f"({e})") from None
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    llm = AsyncLLM(_make_llm(args).llm_engine, max_waiting_requests=args.max_waiting_requests)
+    run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
+               api_key=args.api_key, log_level=args.uvicorn_log_level)
+    return 0
+
+
 def cmd_bench(args, rest: list[str]) -> int:
     from minivllm.bench.__main__ import main as bench_main
 
@@ -173,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="minivllm",
         description="minivllm: a readable re-implementation of vLLM. "
-                    "Generate text, chat, benchmark, or fetch the default model.",
+                    "Generate text, chat, serve over HTTP, benchmark, or fetch the default "
+                    "model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
@@ -192,9 +211,37 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     _sampling_args(p)
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, host, kernels, tp",
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+        description="Serve MODEL over HTTP with OpenAI's API: /v1/completions, "
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health and "
+                    "Prometheus /metrics. Talk to it with the openai client: "
+                    "OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='KEY or anything'). "
+                    "Needs the serve extra (pip install 'minivllm[serve]'). "
+                    "See docs/serving.md.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model to serve (same as --model; default smollm2)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default %(default)s: this machine only; "
+                        "0.0.0.0 exposes it to the network)")
+    g.add_argument("--port", type=int, default=8000,
+                   help="port (default %(default)s; 0 picks a free one, printed at start)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every path but /health")
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: MODEL as given)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to wait beyond --max-num-seqs; more get HTTP 503 "
+                        "(default %(default)s)")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; 'info' logs every request")
+    _engine_args(p)
+
+    p = sub.add_parser("bench", help="benchmarks: throughput, serve, host, kernels, tp",
                        add_help=False)
-    p.add_argument("name", choices=["throughput", "host", "kernels", "tp"],
+    p.add_argument("name", choices=["throughput", "serve", "host", "kernels", "tp"],
                    help="which benchmark; pass --help after the name for its options")
 
     sub.add_parser("course", add_help=False,
@@ -221,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(args)
     if args.command == "chat":
         return cmd_chat(args)
+    if args.command == "serve":
+        return cmd_serve(args)
     if args.command == "bench":
         return cmd_bench(args, rest)
     return cmd_download(args)

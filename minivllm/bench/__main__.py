@@ -1,6 +1,7 @@
 """``python -m minivllm.bench NAME [options]``: run ``minivllm.bench.NAME.main(options)``.
 
-Benchmarks: ``throughput`` (end to end), ``host`` (allocator, block tables,
+Benchmarks: ``throughput`` (end to end, offline), ``serve`` (online, against
+the HTTP server), ``host`` (allocator, block tables,
 scheduler), ``kernels`` (Triton vs ref), ``tp`` (tensor parallel).
 """
 

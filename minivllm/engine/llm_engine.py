@@ -360,7 +360,7 @@ class LLMEngine:
             text=state.detokenizer.output_text,
             token_ids=list(req.output_token_ids),
             cumulative_logprob=state.cumulative_logprob,
-            logprobs=state.logprobs,
+            logprobs=None if state.logprobs is None else list(state.logprobs),
             finish_reason=req.get_finished_reason() if finished else None,
             stop_reason=req.stop_reason if finished else None,
         )

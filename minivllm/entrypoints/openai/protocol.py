@@ -1,0 +1,221 @@
+"""Request bodies of the OpenAI API, and their mapping onto :class:`SamplingParams`.
+
+Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
+``n``, ``stop``, ``seed``, ``logprobs``, ``stream_options``...), plus vLLM's
+extra sampling fields, which the ``openai`` client sends through
+``extra_body``: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``. Unknown fields are refused (a misspelt
+``extra_body`` key would otherwise be silently ignored).
+
+Ranges are checked once, by :class:`SamplingParams` itself; its ``ValueError``
+becomes a 400 through :class:`APIError`.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.sampling_params import SamplingParams
+
+#: Most completions one request may ask for (``n`` x number of prompts).
+MAX_CHOICES = 128
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error JSON with an HTTP status.
+
+    ``status`` 400 (bad request), 401 (bad key), 404 (unknown model or path),
+    503 (overloaded), 500 (the engine failed).
+    """
+
+    TYPES = MappingProxyType({400: "invalid_request_error", 401: "authentication_error",
+                              404: "not_found_error", 503: "service_unavailable",
+                              500: "internal_error"})
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``, as OpenAI answers."""
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The fields both endpoints share; ``to_sampling_params`` maps them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras (extra_body)
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> list[SamplingParams]:
+        """One :class:`SamplingParams` per completion (``n`` of them)."""
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
+        return [self.to_sampling_params(i) for i in range(self.n)]
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         index: int) -> SamplingParams:
+        """The :class:`SamplingParams` of completion ``index`` (of ``n``).
+
+        With a seed, completion ``i`` gets ``seed + i``: reproducible, and the
+        ``n`` completions still differ from each other.
+        """
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true",
+                           "stream_options")
+        try:
+            return SamplingParams(
+                n=1,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=self.min_p,
+                seed=None if self.seed is None else self.seed + index,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            # SamplingParams names the field first: "top_p must be in (0, 1], got 2.0".
+            raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: continue a prompt (text, token ids, or a list of either)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings, or lists of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p or any(len(x) == 0 for x in p):
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return list(p)
+
+    def to_sampling_params(self, index: int) -> SamplingParams:
+        for name, default in (("echo", False), ("suffix", None), ("logit_bias", None)):
+            if getattr(self, name) != default:
+                raise APIError(400, f"{name} is not supported by minivllm; leave it out", name)
+        if self.best_of not in (None, self.n):
+            raise APIError(400, f"best_of must equal n ({self.n}) or be left out, "
+                                f"got {self.best_of}", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        return self._sampling_params(self.max_tokens, self.logprobs, index)
+
+
+class ChatMessage(BaseModel):
+    """One message: ``role`` and ``content`` (a string, or a list of text parts)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined; other parts refused)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"only text content parts are supported, got "
+                                    f"{part.get('type')!r}", "messages")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: answer a conversation through the chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    logit_bias: dict[str, float] | None = None
+
+    def to_sampling_params(self, index: int) -> SamplingParams:
+        if self.logit_bias is not None:
+            raise APIError(400, "logit_bias is not supported by minivllm; leave it out",
+                           "logit_bias")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                           "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, index)
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` through the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,280 @@
+"""``/v1/completions`` and ``/v1/chat/completions`` on top of :class:`AsyncLLM`.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests (OpenAI's ``n``
+is fanned out: completion ``i`` gets ``seed + i`` when a seed is given). All
+are added before anything is streamed, so a bad prompt or a full queue is an
+error status, never a half-open stream. Their deltas are merged into one
+stream of ``(choice_index, StreamDelta)``.
+
+Streaming is Server-Sent Events, as OpenAI::
+
+    data: {"id": ..., "choices": [{"index": 0, "text": "Par", "finish_reason": null}]}
+    data: {"id": ..., "choices": [{"index": 0, "text": "is.", "finish_reason": "stop"}]}
+    data: {"id": ..., "choices": [], "usage": {...}}      # with stream_options.include_usage
+    data: [DONE]
+
+If the engine fails mid-stream the client receives ``data: {"error": ...}``.
+If the client hangs up, the stream is cancelled and every engine request
+behind it is aborted (its KV blocks freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from minivllm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    StreamDelta,
+)
+from minivllm.entrypoints.openai.protocol import (
+    MAX_CHOICES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+
+def sse(obj: dict | str) -> str:
+    """One Server-Sent Event carrying ``obj`` as JSON (or ``[DONE]``)."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class OpenAIServing:
+    """The completion endpoints of one served model.
+
+    Args:
+        llm: the async engine.
+        model_name: the name clients must send as ``model`` (or leave out).
+    """
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.tokenizer = llm.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served model (None means the served model)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (see GET /v1/models)", "model")
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the model's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions",
+                           "messages")
+        conv = [{"role": m.role, "content": m.text()} for m in messages]
+        text = self.tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- the two endpoints -----------------------------------------------------------
+
+    async def create_completion(self, req: CompletionRequest):
+        """A response dict, or (``stream=true``) an async iterator of SSE strings."""
+        self.check_model(req.model)
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p)
+                   for p in req.prompts()]
+        kind = Kind("cmpl", "text_completion", chat=False, model=self.model_name,
+                    top_n=req.logprobs or 0)
+        return await self._create(req, prompts, kind)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest):
+        """A response dict, or (``stream=true``) an async iterator of SSE strings."""
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        kind = Kind("chatcmpl", "chat.completion", chat=True, model=self.model_name,
+                    top_n=req.top_logprobs or 0)
+        return await self._create(req, [prompt], kind)
+
+    # -- shared machinery --------------------------------------------------------------
+
+    async def _create(self, req, prompts: list[list[int]], kind: Kind):
+        params = req.sampling_params()
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError(400, f"len(prompt) * n must be at most {MAX_CHOICES}, got "
+                                f"{len(prompts) * req.n}", "n")
+        streams = await self._add_all(kind.id, prompts, params)
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        if req.stream:
+            return self._stream(streams, kind, num_prompt_tokens, req.include_usage())
+        return await self._full(streams, kind, num_prompt_tokens)
+
+    async def _add_all(self, base_id: str, prompts, params) -> list[RequestStream]:
+        """Add every (prompt, completion) pair; on any failure abort those added."""
+        streams: list[RequestStream] = []
+        try:
+            for p_idx, prompt in enumerate(prompts):
+                for i, sp in enumerate(params):
+                    streams.append(await self.llm.add_request(prompt, sp,
+                                                              f"{base_id}-{p_idx}-{i}"))
+        except BaseException as e:
+            for s in streams:
+                await self.llm.abort(s.request_id)
+            if isinstance(e, ValueError):
+                where = f"prompt {p_idx}: " if len(prompts) > 1 else ""
+                raise APIError(400, where + str(e), "prompt") from None
+            if isinstance(e, QueueFullError):
+                raise APIError(503, str(e)) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(500, str(e)) from None
+            raise
+        return streams
+
+    async def _full(self, streams: list[RequestStream], kind: Kind,
+                    num_prompt_tokens: int) -> dict:
+        """Wait for every completion; return the whole response."""
+        texts = [""] * len(streams)
+        logprobs: list[list] = [[] for _ in streams]
+        last: list[StreamDelta | None] = [None] * len(streams)
+        try:
+            async for i, d in merge(self.llm, streams):
+                texts[i] += d.text
+                logprobs[i] += d.logprobs or []
+                last[i] = d
+        except EngineDeadError as e:
+            raise APIError(500, str(e)) from None
+        choices = []
+        for i, d in enumerate(last):
+            lp = self._logprobs(kind, logprobs[i], d.output.outputs[0].token_ids) \
+                if d.logprobs is not None else None
+            choice = {"index": i, "finish_reason": d.finish_reason, "logprobs": lp}
+            if kind.chat:
+                choice["message"] = {"role": "assistant", "content": texts[i]}
+            else:
+                choice["text"] = texts[i]
+            choice["stop_reason"] = d.stop_reason
+            choices.append(choice)
+        num_out = sum(d.num_output_tokens for d in last)
+        return kind.envelope(choices, usage(num_prompt_tokens, num_out))
+
+    async def _stream(self, streams: list[RequestStream], kind: Kind, num_prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks: deltas, ``finish_reason`` on each choice's last one, usage, [DONE]."""
+        num_out = [0] * len(streams)
+        chunk = kind.chunk
+        try:
+            if kind.chat:
+                yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}
+                                 for i in range(len(streams))]))
+            async for i, d in merge(self.llm, streams):
+                # One chunk per engine step, even when its text is held back
+                # (a possible stop string) or incomplete: clients can count tokens.
+                num_out[i] = d.num_output_tokens
+                lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
+                body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
+                yield sse(chunk([{"index": i, **body, "logprobs": lp,
+                                  "finish_reason": d.finish_reason,
+                                  "stop_reason": d.stop_reason}]))
+            if include_usage:
+                yield sse(chunk([], usage(num_prompt_tokens, sum(num_out))))
+            yield sse("[DONE]")
+        except EngineDeadError as e:
+            yield sse(APIError(500, str(e)).body())
+
+    def _logprobs(self, kind: Kind, entries: list[dict], token_ids: list[int]) -> dict:
+        """Per-token logprobs in the endpoint's OpenAI format.
+
+        Each engine entry holds the sampled token plus the ``top_n`` most
+        likely ones (ranks 1..top_n); the sampled token is listed among the top
+        only if its rank is within them.
+        """
+        decode = self.tokenizer.decode
+        rows = []  # (token text, its logprob, [(top token text, logprob), ...])
+        for tok, entry in zip(token_ids, entries):
+            top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
+                         if lp.rank is not None and lp.rank <= kind.top_n)
+            rows.append((decode([tok]), entry[tok].logprob,
+                         [(decode([t]), v) for _, t, v in top]))
+        if kind.chat:
+            return {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                  for s, v in top]}
+                for t, lp, top in rows]}
+        offsets, pos = [], 0
+        for t, _, _ in rows:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [_by_text(top) for _, _, top in rows], "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """``{text: logprob}``, most likely first; where two tokens decode to the same
+    text (e.g. two halves of a character, both U+FFFD) the likelier one is kept."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
+
+
+class Kind:
+    """What differs between the two endpoints: ids, object names and chunk shape."""
+
+    def __init__(self, prefix: str, obj: str, chat: bool, model: str, top_n: int) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
+        self.created = int(time.time())
+
+    def envelope(self, choices: list[dict], usage_: dict | None) -> dict:
+        return {"id": self.id, "object": self.obj, "created": self.created,
+                "model": self.model, "choices": choices, "usage": usage_}
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_}
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+async def merge(llm: AsyncLLM, streams: list[RequestStream]
+                ) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Yield ``(index, delta)`` from several request streams as their deltas arrive.
+
+    One stream is iterated directly. Several get one pumping task each; if the
+    consumer stops early (a client hung up), the tasks are cancelled, which
+    aborts every engine request still running.
+    """
+    if len(streams) == 1:
+        async for d in llm.stream_outputs(streams[0]):
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for d in llm.stream_outputs(stream):
+                queue.put_nowait((i, d))
+        except Exception as e:  # an engine failure: hand it to the consumer
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
