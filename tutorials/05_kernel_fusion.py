@@ -214,3 +214,17 @@ print("saved 05_kernel_fusion.png")
 # ```
 # pytest -q tests/test_small_kernels.py --backend=fast
 # ```
+
+# %% [markdown]
+# ## Your turn
+#
+# Write the fused residual add + RMSNorm (task 7) and SiLU-and-mul (task 9). Then see where
+# your versions stand against the ref and the Triton twins:
+# `PYTHONPATH=hw minivllm bench kernels --backend minivllm_student` (on a GPU).
+#
+# Handouts: `docs/course/` (one page per task). Test your package:
+#
+# ```bash
+# minivllm course make-student hw
+# PYTHONPATH=hw pytest -q --backend=minivllm_student --task fused_add_rms_norm --task silu_and_mul
+# ```

@@ -237,3 +237,17 @@ assert torch.allclose(logits_tp2, logits_tp1, atol=1e-4)
 # pytest -q --backend=ref tests/test_linear.py tests/test_tp_engine.py
 # pytest -q --backend=fast tests/test_linear.py tests/test_tp_engine.py
 # ```
+
+# %% [markdown]
+# ## Your turn
+#
+# Write the tensor-parallel layers (task 14): the shards each rank holds, the gather and the
+# all-reduce. The tests include more ranks than KV heads (each KV head replicated), token
+# ids on rank boundaries and a row-parallel bias that must be added once.
+#
+# Handouts: `docs/course/` (one page per task). Test your package:
+#
+# ```bash
+# minivllm course make-student hw
+# PYTHONPATH=hw pytest -q --backend=minivllm_student --task tp_linear
+# ```

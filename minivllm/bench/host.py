@@ -22,7 +22,9 @@ workload, at 64, 256 and 1024 running requests (block_size 16):
 
 Each number is the median of several timed repeats (``time.perf_counter``);
 setup is not timed. Prints a table (ms ref, ms fast, speed-up = ref / fast)
-and writes JSON.
+and writes JSON. ``--backend PKG`` adds a column for an import path (a course
+student's package: the leaderboard), timed on the same workload, with its
+speed-up over the ref.
 """
 
 from __future__ import annotations
@@ -187,13 +189,15 @@ BENCHMARKS = {
 }
 
 
-def run(sizes: tuple[int, ...] = SIZES, repeat_scale: float = 1.0) -> list[dict]:
-    """Time every benchmark for both twins at every size; return the rows."""
+def run(sizes: tuple[int, ...] = SIZES, repeat_scale: float = 1.0,
+        package: str | None = None) -> list[dict]:
+    """Time every benchmark for both twins (and ``package``, if given) at every size."""
     rows = []
+    impls = ("ref", "fast") + ((package,) if package else ())
     for name, (fn, repeats) in BENCHMARKS.items():
         for num_reqs in sizes:
             n = max(3, round(repeats * repeat_scale))
-            ms = {impl: fn(impl, num_reqs, n) for impl in ("ref", "fast")}
+            ms = {impl: fn(impl, num_reqs, n) for impl in impls}
             rows.append({
                 "component": name,
                 "num_reqs": num_reqs,
@@ -201,17 +205,22 @@ def run(sizes: tuple[int, ...] = SIZES, repeat_scale: float = 1.0) -> list[dict]
                 "fast_ms": ms["fast"],
                 "speedup": ms["ref"] / ms["fast"],
             })
+            if package:  # the leaderboard column: a student's package against both twins
+                rows[-1].update(package_ms=ms[package], package_speedup=ms["ref"] / ms[package])
             print_row(rows[-1])
     return rows
 
 
-def print_header() -> None:
-    print(f"{'component':<12} {'reqs':>6} {'ref ms':>10} {'fast ms':>10} {'speed-up':>9}")
+def print_header(package: str | None = None) -> None:
+    extra = f" {package[:12] + ' ms':>15} {'vs ref':>7}" if package else ""
+    print(f"{'component':<12} {'reqs':>6} {'ref ms':>10} {'fast ms':>10} {'speed-up':>9}{extra}")
 
 
 def print_row(row: dict) -> None:
+    extra = (f" {row['package_ms']:>15.3f} {row['package_speedup']:>6.1f}x"
+             if "package_ms" in row else "")
     print(f"{row['component']:<12} {row['num_reqs']:>6} {row['ref_ms']:>10.3f} "
-          f"{row['fast_ms']:>10.3f} {row['speedup']:>8.1f}x")
+          f"{row['fast_ms']:>10.3f} {row['speedup']:>8.1f}x{extra}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="numbers of running requests")
     p.add_argument("--repeat-scale", type=float, default=1.0,
                    help="multiply every repeat count (min 3)")
+    p.add_argument("--backend", default=None, metavar="PKG",
+                   help="also time this import path (e.g. a course student package) against "
+                        "ref and fast: the leaderboard")
     args = p.parse_args(argv)
-    print_header()
-    rows = run(tuple(args.sizes), args.repeat_scale)
+    print_header(args.backend)
+    rows = run(tuple(args.sizes), args.repeat_scale, args.backend)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "torch": torch.__version__,

@@ -33,6 +33,9 @@ On a CUDA device it times the Triton twin on production-like shapes
 Triton's interpreter, to check the benchmark itself (labelled "interpreter,
 correctness only": its times mean nothing). Prints a table, writes JSON and a
 PNG plot next to it.
+
+``--backend PKG`` times an import path (a course student's package) in the
+fast twin's place, against the ref: the course leaderboard.
 """
 
 from __future__ import annotations
@@ -277,16 +280,25 @@ def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
-def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast") -> dict:
-    """Every case on ``device`` with the kernels of ``fast_path``.
+def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
+                package: str | None = None) -> dict:
+    """Every case on ``device`` with the kernels of ``fast_path``, or of ``package``.
 
     ``minivllm.fast`` picks by device: Triton on CUDA, the C++ ops on a CPU;
     ``--tiny`` passes ``minivllm.fast.triton`` (the interpreter on a CPU).
+    ``package`` (an import path, e.g. a course student's package) takes the
+    fast twin's place: the leaderboard times it against the ref.
     """
     ref = {n: importlib.import_module(f"minivllm.ref.{n}") for n in
            ("attention", "layernorm", "activation", "rotary", "cache_write")}  # fmt: skip
-    pkg = importlib.import_module(fast_path)
-    fast = {n: getattr(pkg, n, None) or importlib.import_module(f"{fast_path}.{n}") for n in ref}
+    if package:
+        from minivllm import backend
+
+        fast = {n: backend.get(n, package) for n in ref}
+    else:
+        pkg = importlib.import_module(fast_path)
+        fast = {n: getattr(pkg, n, None) or importlib.import_module(f"{fast_path}.{n}")
+                for n in ref}
     bw = copy_bandwidth(device, shapes["copy_bytes"])
     rows = []
     cases = [
@@ -319,8 +331,10 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast") -> 
         threads = torch.get_num_threads()
         name = "cpu, 1 thread (CPU time)" if threads == 1 else f"cpu x{threads} threads"
         label = "C++"
+    if package:
+        label = package[:10]
     return dict(cuda=device == "cuda", device=name, fast_label=label, copy_GBps=bw / 1e9,
-                rows=rows, errors=errors)
+                rows=rows, errors=errors, candidate=package or "fast")
 
 
 def print_table(result: dict) -> None:
@@ -329,7 +343,7 @@ def print_table(result: dict) -> None:
     label = result.get("fast_label", "fast")
     print(f"\nminivllm bench kernels on {result['device']}; measured copy bandwidth "
           f"{result['copy_GBps']:.1f} GB/s")  # fmt: skip
-    print(f"{'kernel':<20}{'ref ms':>9}{label + ' ms':>11}{'speed-up':>10}{label + ' GB/s':>13}"
+    print(f"{'kernel':<20}{'ref ms':>9}{label + ' ms':>14}{'speed-up':>10}{label + ' GB/s':>16}"
           f"  notes")  # fmt: skip
     for r in result["rows"]:
         notes = []
@@ -340,8 +354,8 @@ def print_table(result: dict) -> None:
                          f"({r['fast_TFLOPs']:.3g} vs {r['sdpa_TFLOPs']:.3g} TFLOP/s)")  # fmt: skip
         notes.append(f"max err {r['max_abs_err']:.2g}")
         gb = f"{r['fast_GBps'] / 1e9:.1f}" if "fast_GBps" in r else "-"
-        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>11.3f}{r['speedup']:>9.1f}x"
-              f"{gb:>13}  {'; '.join(notes)}")  # fmt: skip
+        print(f"{r['kernel']:<20}{r['ref_ms']:>9.3f}{r['fast_ms']:>14.3f}{r['speedup']:>9.1f}x"
+              f"{gb:>16}  {'; '.join(notes)}")  # fmt: skip
 
 
 def plot(result: dict, path: Path) -> None:
@@ -385,25 +399,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch and the C++ ops (default: torch's); 1 times "
                    "the thread's CPU time, steady on a busy machine")  # fmt: skip
+    p.add_argument("--backend", default=None, metavar="PKG",
+                   help="time this import path (e.g. a course student package) in the fast "
+                   "twin's place: the leaderboard")  # fmt: skip
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if torch.cuda.is_available():
-        result = run_kernels("cuda", SHAPES["full"])
+        result = run_kernels("cuda", SHAPES["full"], package=args.backend)
     elif args.tiny:
         import os
 
         if "triton" in __import__("sys").modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before Triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-        result = run_kernels("cpu", SHAPES["tiny"], "minivllm.fast.triton")
+        result = run_kernels("cpu", SHAPES["tiny"], "minivllm.fast.triton", args.backend)
     else:
         from minivllm.fast import cpu_ops
 
-        if not cpu_ops.available():
+        if not args.backend and not cpu_ops.available():
             raise SystemExit(f"the C++ CPU kernels are not available "
                              f"({cpu_ops.unavailable_reason()}): nothing to time")  # fmt: skip
-        result = run_kernels("cpu", SHAPES["cpu"])
+        result = run_kernels("cpu", SHAPES["cpu"], package=args.backend)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -21,8 +21,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
     """``silu(x[..., :I]) * x[..., I:]`` with ``silu(g) = g * sigmoid(g)``."""
     if x.dim() < 1 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x's last dimension must be even (gate | up), got {tuple(x.shape)}")
+    # BEGIN SOLUTION
     inter = x.shape[-1] // 2
     gate = x[..., :inter]  # (T, I)
     up = x[..., inter:]  # (T, I)
     # F.silu computes g * sigmoid(g) in float32 and rounds once, as transformers does.
     return F.silu(gate) * up
+    # END SOLUTION

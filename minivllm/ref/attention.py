@@ -54,6 +54,7 @@ def gather_kv(
     ``block_tables[i, p // block_size]``. Only the blocks that hold those rows
     are read.
     """
+    # BEGIN SOLUTION
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     num_blocks = (max_len + block_size - 1) // block_size
@@ -61,6 +62,7 @@ def gather_kv(
     blocks = cache.index_select(0, block_ids)  # (S * num_blocks, block_size, H_kv, D)
     rows = blocks.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     return rows[:, :max_len]
+    # END SOLUTION
 
 
 def _check(
@@ -119,6 +121,7 @@ def paged_attention(
     float32 softmax, weighted sum of values.
     """
     _check(query, k_cache, v_cache, metadata)
+    # BEGIN SOLUTION
     num_heads = query.shape[1]
     group = num_heads // k_cache.shape[2]
     # GQA: query head h reads KV head h // group.
@@ -155,3 +158,4 @@ def paged_attention(
         # 5. Weighted sum of the values: (query_len, H, D).
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+    # END SOLUTION

@@ -90,6 +90,7 @@ class BlockAllocator:
         Raises ``ValueError`` if fewer than ``num_blocks`` are free (callers
         check :attr:`num_free_blocks` first).
         """
+        # BEGIN SOLUTION
         if num_blocks < 0 or num_blocks > len(self.free_block_queue):
             raise ValueError(
                 f"num_blocks must be in [0, {len(self.free_block_queue)}] (free blocks), "
@@ -102,6 +103,7 @@ class BlockAllocator:
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
+        # END SOLUTION
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; blocks reaching 0 go to the free queue's tail.
@@ -110,6 +112,7 @@ class BlockAllocator:
         blocks in *reverse* order, so its last blocks (the least likely to be
         shared with a later prompt) are evicted first.
         """
+        # BEGIN SOLUTION
         for block_id in block_ids:
             self._check_id(block_id)
             if self.ref_counts[block_id] == 0:
@@ -117,11 +120,13 @@ class BlockAllocator:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self._push_free_tail(block_id)
+        # END SOLUTION
 
     # -- prefix caching --------------------------------------------------------
 
     def lookup_cached_blocks(self, block_hashes: Sequence[int]) -> list[int]:
         """The blocks of the longest cached prefix of ``block_hashes``, without touching them."""
+        # BEGIN SOLUTION
         if not self.enable_prefix_caching:
             return []
         hits = []
@@ -131,14 +136,17 @@ class BlockAllocator:
                 break  # chained hashes: nothing after a miss can be a valid prefix
             hits.append(block_id)
         return hits
+        # END SOLUTION
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference to each (cached) block; a free one leaves the free queue."""
+        # BEGIN SOLUTION
         for block_id in block_ids:
             self._check_id(block_id)
             if self.ref_counts[block_id] == 0:
                 self._remove_free(block_id)  # a hit on a free block: out of the middle
             self.ref_counts[block_id] += 1
+        # END SOLUTION
 
     def get_cached_blocks(self, block_hashes: Sequence[int]) -> list[int]:
         """Longest cached prefix of ``block_hashes``, touched (ref count + 1 each)."""
@@ -153,6 +161,7 @@ class BlockAllocator:
         another block already holds that hash (two requests computed the same
         tokens at once: the first one stays the cached copy).
         """
+        # BEGIN SOLUTION
         self._check_id(block_id)
         if not self.enable_prefix_caching or self.block_hashes[block_id] is not None:
             return
@@ -160,14 +169,17 @@ class BlockAllocator:
             return
         self.block_hashes[block_id] = block_hash
         self.cached_block_hash_to_block[block_hash] = block_id
+        # END SOLUTION
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is held; returns success."""
+        # BEGIN SOLUTION
         if len(self.free_block_queue) != self.num_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         self.block_hashes = [None] * self.num_blocks
         return True
+        # END SOLUTION
 
     # -- the free queue (the fast twin overrides exactly these four) ---------------
 
@@ -186,10 +198,12 @@ class BlockAllocator:
     # -- helpers ---------------------------------------------------------------
 
     def _evict(self, block_id: int) -> None:
+        # BEGIN SOLUTION
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
             del self.cached_block_hash_to_block[block_hash]
             self.block_hashes[block_id] = None
+        # END SOLUTION
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

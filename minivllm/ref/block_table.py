@@ -76,6 +76,7 @@ class BlockTables:
 
     def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
         """Append physical blocks to the end of ``req_id``'s table."""
+        # BEGIN SOLUTION
         table = self._table(req_id)
         if len(table) + len(block_ids) > self.max_num_blocks_per_req:
             raise ValueError(
@@ -83,6 +84,7 @@ class BlockTables:
                 f"max_num_blocks_per_req is {self.max_num_blocks_per_req}"
             )
         table.extend(block_ids)
+        # END SOLUTION
 
     def remove_request(self, req_id: str) -> None:
         """Drop ``req_id``'s table (its blocks are freed by the allocator, not here)."""
@@ -99,6 +101,7 @@ class BlockTables:
 
     def block_table_tensor(self, req_ids: list[str]) -> torch.Tensor:
         """``(len(req_ids), max_num_blocks_per_req)`` int32 tables, unused entries 0."""
+        # BEGIN SOLUTION
         rows = []
         for req_id in req_ids:
             table = self._table(req_id)
@@ -107,6 +110,7 @@ class BlockTables:
             shape = (0, self.max_num_blocks_per_req)
             return torch.zeros(shape, dtype=torch.int32, device=self.device)
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        # END SOLUTION
 
     def slot_mapping(
         self, req_ids: list[str], start_positions: list[int], num_tokens: list[int]
@@ -117,6 +121,7 @@ class BlockTables:
         start_positions[i] + num_tokens[i] - 1``; its slots come in that order,
         after those of request ``i - 1``.
         """
+        # BEGIN SOLUTION
         bs = self.block_size
         slots: list[int] = []
         for req_id, start, n in zip(req_ids, start_positions, num_tokens, strict=True):
@@ -125,6 +130,7 @@ class BlockTables:
             for pos in range(start, start + n):
                 slots.append(table[pos // bs] * bs + pos % bs)
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        # END SOLUTION
 
     def _table(self, req_id: str) -> list[int]:
         table = self.block_ids.get(req_id)

@@ -52,9 +52,11 @@ def reshape_and_cache(
 ) -> None:
     """Write ``key[t]``/``value[t]`` to cache slot ``slot_mapping[t]`` in place; skip ``-1``."""
     _check(key, value, k_cache, v_cache, slot_mapping)
+    # BEGIN SOLUTION
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0  # (num_tokens,) bool: padding rows are False
     slots = slot_mapping[valid]  # (num_valid,)
     block, offset = slots // block_size, slots % block_size  # (num_valid,) each
     k_cache[block, offset] = key[valid].to(k_cache.dtype)  # (num_valid, H_kv, D) rows
     v_cache[block, offset] = value[valid].to(v_cache.dtype)
+    # END SOLUTION

@@ -61,6 +61,7 @@ class KVCacheManager:
         Does not take the blocks yet; :meth:`allocate_slots` does, if the
         request is admitted.
         """
+        # BEGIN SOLUTION
         if not self.enable_prefix_caching:
             return [], 0
         block_hashes = self._block_hashes(request, request.num_tokens // self.block_size)
@@ -68,6 +69,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = self.block_allocator.lookup_cached_blocks(block_hashes[:max_hit_blocks])
         return hits, len(hits) * self.block_size
+        # END SOLUTION
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
@@ -83,6 +85,7 @@ class KVCacheManager:
         Returns the newly allocated block ids (possibly empty; the prefix
         hits are not among them), or None, in which case nothing changed.
         """
+        # BEGIN SOLUTION
         req_id = request.request_id
         allocator = self.block_allocator
         held = self.req_to_blocks.get(req_id, [])
@@ -103,6 +106,7 @@ class KVCacheManager:
         self.req_to_blocks[req_id].extend([*new_computed_blocks, *new_blocks])
         self._cache_full_blocks(request, num_total_tokens)
         return new_blocks
+        # END SOLUTION
 
     def free(self, request: Request) -> None:
         """Release all of ``request``'s blocks (last first, so they are evicted first).
@@ -110,10 +114,12 @@ class KVCacheManager:
         Used for a finished request and for a preempted one alike; the
         request keeps its ``block_hashes`` either way (see the module docstring).
         """
+        # BEGIN SOLUTION
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks is not None:
             self.block_allocator.free(reversed(blocks))
             del self.num_cached_blocks[request.request_id]
+        # END SOLUTION
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's blocks in logical order ([] if it holds none)."""
@@ -121,15 +127,18 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """``request.block_hashes``, extended to cover its first ``num_full_blocks`` blocks."""
+        # BEGIN SOLUTION
         hashes = request.block_hashes
         bs, tokens = self.block_size, request.all_token_ids
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[i - 1] if i > 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
+        # END SOLUTION
 
     def _cache_full_blocks(self, request: Request, num_total_tokens: int) -> None:
         """Enter the request's newly full blocks (tokens known after this step) in the cache."""
+        # BEGIN SOLUTION
         if not self.enable_prefix_caching:
             return
         req_id = request.request_id
@@ -142,3 +151,4 @@ class KVCacheManager:
         for i in range(num_cached, num_full_blocks):
             self.block_allocator.cache_full_block(blocks[i], hashes[i])
         self.num_cached_blocks[req_id] = num_full_blocks
+        # END SOLUTION

@@ -42,10 +42,12 @@ def rms_norm(
 ) -> torch.Tensor:  # (num_tokens, hidden)
     """``x / sqrt(mean(x**2, over hidden) + eps) * weight``, row by row."""
     _check(x, weight)
+    # BEGIN SOLUTION
     x32 = x.float()  # (num_tokens, hidden)
     mean_square = x32.pow(2).mean(dim=-1, keepdim=True)  # (num_tokens, 1)
     normed = x32 * torch.rsqrt(mean_square + eps)  # rsqrt as transformers does: same bits
     return weight * normed.to(x.dtype)
+    # END SOLUTION
 
 
 def fused_add_rms_norm(
@@ -65,5 +67,7 @@ def fused_add_rms_norm(
         raise ValueError(
             f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}"
         )
+    # BEGIN SOLUTION
     new_residual = x + residual  # (num_tokens, hidden)
     return rms_norm(new_residual, weight, eps), new_residual
+    # END SOLUTION

@@ -132,18 +132,22 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy rank ``r``'s rows of the full ``(output_size[, input_size])`` tensor into ``param[r]``."""
+        # BEGIN SOLUTION
         check_shape(loaded_weight, (self.output_size, *param.shape[2:]), type(self).__name__)
         shard = self.output_size_per_partition
         for rank in range(self.tp_size):
             param.data[rank].copy_(loaded_weight[rank * shard : (rank + 1) * shard])
+        # END SOLUTION
 
     def _per_rank_outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
         """What each rank computes from the (replicated) input: ``(..., out / tp)`` each."""
+        # BEGIN SOLUTION
         outputs = []
         for rank in range(self.tp_size):
             bias = None if self.bias is None else self.bias[rank]
             outputs.append(F.linear(x, self.weight[rank], bias))
         return outputs
+        # END SOLUTION
 
     def _gather(self, outputs: list[torch.Tensor], keep: list[list[int]]) -> torch.Tensor:
         """The all-gather: put the per-rank pieces back in dense order.
@@ -152,12 +156,14 @@ class ColumnParallelLinear(nn.Module):
         result (all of them, except for replicated KV heads, where one copy of
         each head is enough).
         """
+        # BEGIN SOLUTION
         pieces = []
         start = 0
         for i, size in enumerate(self.output_partition_sizes):
             pieces += [outputs[rank][..., start : start + size] for rank in keep[i]]
             start += size
         return torch.cat(pieces, dim=-1)
+        # END SOLUTION
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         outputs = self._per_rank_outputs(x)  # tp x (T, out / tp)
@@ -238,12 +244,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _rows_for_rank(self, shard_id: str, rank: int) -> tuple[int, int]:
         """(first row in the full q/k/v tensor, rows) that rank ``rank`` holds."""
+        # BEGIN SOLUTION
         if shard_id == "q":
             heads = self.num_heads_per_rank
             return rank * heads * self.head_size, heads * self.head_size
         heads = self.num_kv_heads_per_rank
         first_head = (rank // self.num_kv_head_replicas) * heads
         return first_head * self.head_size, heads * self.head_size
+        # END SOLUTION
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: str | None = None) -> None:
@@ -265,11 +273,13 @@ class QKVParallelLinear(ColumnParallelLinear):
             param.data[rank, offset : offset + rows].copy_(loaded_weight[start : start + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, (H + 2 H_kv) D)
+        # BEGIN SOLUTION
         outputs = self._per_rank_outputs(x)  # tp x (T, (H + 2 H_kv) D / tp)
         all_ranks = list(range(self.tp_size))
         # A replicated KV head is computed by several ranks; keep one copy.
         kv_owners = all_ranks[:: self.num_kv_head_replicas]
         return self._gather(outputs, [all_ranks, kv_owners, kv_owners])
+        # END SOLUTION
 
 
 # --------------------------------------------------------------------------
@@ -327,12 +337,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         # What each rank receives: its slice of the input features.
+        # BEGIN SOLUTION
         x_shards = x.split(self.input_size_per_partition, dim=-1)  # tp x (T, in / tp)
         partial_sums = [F.linear(x_shards[r], self.weight[r]) for r in range(self.tp_size)]
         y = torch.stack(partial_sums).sum(dim=0)  # the all-reduce: (T, out)
         if self.bias is not None:
             y = y + self.bias  # once, after the reduce (not tp times)
         return y
+        # END SOLUTION
 
 
 # --------------------------------------------------------------------------
@@ -372,6 +384,7 @@ class VocabParallelEmbedding(nn.Module):
         param.data.copy_(padded.view_as(param))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, dim)
+        # BEGIN SOLUTION
         rows = self.num_embeddings_per_partition
         partial_sums = []
         for rank in range(self.tp_size):
@@ -381,6 +394,7 @@ class VocabParallelEmbedding(nn.Module):
             e = F.embedding(local_ids, self.weight[rank])  # (T, dim)
             partial_sums.append(e * mine.unsqueeze(-1).to(e.dtype))  # ... and are zeroed
         return torch.stack(partial_sums).sum(dim=0)  # the all-reduce
+        # END SOLUTION
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -415,9 +429,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (T, dim) -> (T, vocab)
         """Full logits (never None here; the fast twin returns None on ranks other than 0)."""
+        # BEGIN SOLUTION
         logits = []
         for rank in range(self.tp_size):
             bias = None if self.bias is None else self.bias[rank]
             logits.append(F.linear(hidden, self.weight[rank], bias))  # (T, V_r)
         full = torch.cat(logits, dim=-1)  # the gather to rank 0: (T, V_padded)
         return full[..., : self.num_embeddings]  # drop the padding columns
+        # END SOLUTION

@@ -53,6 +53,7 @@ def _rotate(
     is_neox: bool,
 ) -> torch.Tensor:  # (T, heads, head_dim)
     """Rotate every pair ``(a, b)`` of ``x``'s first ``rotary_dim`` features."""
+    # BEGIN SOLUTION
     half = cos.shape[-1]
     rotary_dim = 2 * half
     if is_neox:  # pairs (i, i + half)
@@ -65,6 +66,7 @@ def _rotate(
     out[..., a_idx] = a * cos - b * sin
     out[..., b_idx] = b * cos + a * sin
     return out
+    # END SOLUTION
 
 
 def apply_rotary_emb(
@@ -81,8 +83,10 @@ def apply_rotary_emb(
     the returned tensors.
     """
     _check(positions, query, key, cos_sin_cache)
+    # BEGIN SOLUTION
     half = cos_sin_cache.shape[-1] // 2
     cos_sin = cos_sin_cache[positions].float()  # (T, rotary_dim): [cos | sin]
     cos = cos_sin[:, None, :half]  # (T, 1, half): broadcast over heads
     sin = cos_sin[:, None, half:]  # (T, 1, half)
     return _rotate(query, cos, sin, is_neox_style), _rotate(key, cos, sin, is_neox_style)
+    # END SOLUTION

@@ -39,6 +39,7 @@ _NEG_INF = float("-inf")
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of ``logits`` (N, V) float32; the input is not modified."""
+    # BEGIN SOLUTION
     logits = logits.to(torch.float32).clone()  # (N, V); stages below edit it in place
     logprobs = None
     if metadata.max_num_logprobs is not None:
@@ -58,6 +59,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if metadata.max_num_logprobs is not None:
         logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
     return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+    # END SOLUTION
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -71,6 +73,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     - frequency ``f``: subtract ``f * count`` (occurrences in the output).
     - presence ``p``: subtract ``p`` once if the token is in the output.
     """
+    # BEGIN SOLUTION
     if metadata.min_tokens_rows is not None:
         logits[metadata.min_tokens_rows, metadata.min_tokens_ids] = _NEG_INF
     if metadata.no_penalties:
@@ -99,6 +102,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     if metadata.presence_penalties is not None:
         logits -= metadata.presence_penalties[:, None] * in_output
     return logits
+    # END SOLUTION
 
 
 def filter_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -108,6 +112,7 @@ def filter_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     rows are passed through at temperature 1 (their result is not used).
     """
     # Greedy rows have T = 0; dividing by 1 instead keeps them finite.
+    # BEGIN SOLUTION
     temperature = torch.where(
         metadata.greedy_mask, torch.ones_like(metadata.temperature), metadata.temperature
     )
@@ -119,20 +124,25 @@ def filter_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     if metadata.top_p is not None:
         logits = apply_top_p(logits, metadata.top_p)
     return logits
+    # END SOLUTION
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens with probability below ``min_p * max probability`` (per row)."""
+    # BEGIN SOLUTION
     probs = torch.softmax(logits, dim=-1)  # (N, V)
     max_prob = probs.max(dim=-1, keepdim=True).values  # (N, 1)
     return logits.masked_fill(probs < min_p[:, None] * max_prob, _NEG_INF)
+    # END SOLUTION
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Keep the ``top_k`` largest logits per row (all ties with the k-th are kept)."""
+    # BEGIN SOLUTION
     sorted_logits = logits.sort(dim=-1, descending=True, stable=True).values  # (N, V)
     kth_largest = sorted_logits.gather(1, (top_k - 1)[:, None])  # (N, 1)
     return logits.masked_fill(logits < kth_largest, _NEG_INF)
+    # END SOLUTION
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -143,12 +153,14 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ``top_p == 1`` are left alone: a cumulative sum can round up to 1 before
     the tail, and "keep everything" must mean everything.
     """
+    # BEGIN SOLUTION
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (N, V)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (N, V)
     remove_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     remove = torch.zeros_like(remove_sorted).scatter_(1, order, remove_sorted)  # unsort
     return logits.masked_fill(remove, _NEG_INF)
+    # END SOLUTION
 
 
 def gather_logprobs(
@@ -161,6 +173,7 @@ def gather_logprobs(
         sampled: (N,) the sampled token ids.
         num_logprobs: K, how many top tokens to return.
     """
+    # BEGIN SOLUTION
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # (N, K)
     sampled_logprob = logprobs.gather(1, sampled[:, None])  # (N, 1)
     # vLLM's rank: how many tokens are at least as likely as the sampled one.
@@ -170,3 +183,4 @@ def gather_logprobs(
         logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),  # (N, K + 1)
         selected_token_ranks=ranks,
     )
+    # END SOLUTION

@@ -152,6 +152,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch; see the module docstring for the rules."""
+        # BEGIN SOLUTION
         token_budget = self.scheduler_config.max_num_batched_tokens
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
@@ -230,6 +231,7 @@ class Scheduler:
         )
         self.finished_req_ids = []
         return output
+        # END SOLUTION
 
     def _preempt(self, request: Request) -> None:
         """Free ``request``'s blocks and send it to the front of the queue to recompute.
@@ -238,11 +240,13 @@ class Scheduler:
         re-admitted, it looks its prompt up in the prefix cache without
         hashing it again.
         """
+        # BEGIN SOLUTION
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+        # END SOLUTION
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
@@ -255,6 +259,7 @@ class Scheduler:
                 runner samples only requests whose every token is computed
                 after this step; a token for any other request is ignored.
         """
+        # BEGIN SOLUTION
         finished = []
         for request in scheduler_output.scheduled_requests:
             req_id = request.request_id
@@ -270,6 +275,7 @@ class Scheduler:
                 self._free_request(request)
                 finished.append(request)
         return finished
+        # END SOLUTION
 
     # -- queries ------------------------------------------------------------------------
 

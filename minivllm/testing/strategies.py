@@ -1,8 +1,10 @@
 """Hypothesis strategies and settings profiles shared by every test module.
 
 Profiles: ``dev`` (default, 50 examples), ``ci`` (``CI`` env set: fewer
-examples, no deadline, derandomised so CI is reproducible) and ``cuda``
-(bigger grids on a GPU). Select with ``HYPOTHESIS_PROFILE``.
+examples, no deadline, derandomised so CI is reproducible), ``cuda``
+(bigger grids on a GPU) and ``grade`` (``minivllm course grade``: the ``ci``
+examples without the shrink phase, so a failing submission is reported in
+seconds, with the example that failed). Select with ``HYPOTHESIS_PROFILE``.
 
 The allocator and scheduler state machines are cheap (milliseconds per run),
 so :func:`stateful_settings` gives them more runs and longer runs than the
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", max_examples=50, **_common)
 settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
 settings.register_profile("cuda", max_examples=200, **_common)
+settings.register_profile("grade", max_examples=25, derandomize=True, print_blob=False,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate], **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
