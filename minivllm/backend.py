@@ -227,7 +227,7 @@ def get(name: str, spec: BackendSpec | None = None) -> types.ModuleType:
         return mod if mod is not None else _fallback(name, f"{name} has no fast twin yet")
     mod = _import_component(impl, name)
     if mod is None:
-        return _fallback(name, impl, f"{impl!r} has no submodule or attribute {name!r}")
+        return _fallback(name, f"{impl!r} has no submodule or attribute {name!r}")
     return mod
 
 

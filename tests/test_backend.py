@@ -56,9 +56,18 @@ def test_twins_expose_the_same_api(component: str) -> None:
         )
 
 
+#: fast/ modules that are neither twins nor one component's helper, and why.
+FAST_SHARED_MODULES = {
+    "cpu": "import-path backend: every kernel component's C++ path (minivllm.fast.cpu)",
+    "triton": "import-path backend: every kernel component's Triton path (minivllm.fast.triton)",
+    "cpu_ops": "builds and loads the C++ ops every kernel component's CPU path calls",
+}
+
+
 def test_every_twin_pair_is_a_registered_component() -> None:
     """A module in both ref/ and fast/ is a component (so the test above covers it); a
-    fast-only module is a helper of one, named ``<component>_<part>``."""
+    fast-only module is a helper of one, named ``<component>_<part>``, private
+    (``_x``), or one of the few listed shared modules."""
     import pkgutil
 
     import minivllm.fast
@@ -67,9 +76,21 @@ def test_every_twin_pair_is_a_registered_component() -> None:
     ref = {m.name for m in pkgutil.iter_modules(minivllm.ref.__path__)}
     fast = {m.name for m in pkgutil.iter_modules(minivllm.fast.__path__)}
     assert ref == set(backend.COMPONENTS), "every ref module is a registered component"
-    for name in fast - ref:
-        assert any(name.startswith(f"{c}_") for c in backend.COMPONENTS), (
+    for name in fast - ref - set(FAST_SHARED_MODULES):
+        assert name.startswith("_") or any(name.startswith(f"{c}_") for c in backend.COMPONENTS), (
             f"minivllm/fast/{name}.py has no ref twin and is no component's helper")
+
+
+@pytest.mark.parametrize("path", ["minivllm.fast.cpu", "minivllm.fast.triton"])
+def test_explicit_kernel_paths_provide_every_kernel_component(path: str) -> None:
+    """``--backend=minivllm.fast.cpu|triton`` must serve every kernel component itself
+    (a missing one would silently come from the ref)."""
+    import importlib
+
+    pkg = importlib.import_module(path)
+    kernels = [c for c, kind in backend.COMPONENTS.items() if kind == "kernel"]
+    missing = [c for c in kernels if getattr(pkg, c, None) is None]
+    assert not missing, f"{path} lacks {missing}"
 
 
 def test_global_and_context_manager() -> None:
