@@ -16,6 +16,12 @@
 // - Keys are visited in tiles of KEY_TILE with an online softmax (running max
 //   and running sum, rescaling the accumulator when the max grows), so no score
 //   matrix is ever built and a block size of 1 costs no more than 16.
+// - The next tile's K/V rows are prefetched while this one is scored: a KV
+//   head's rows are scattered (stride H_kv * D, blocks anywhere), which the
+//   hardware prefetcher cannot follow, and decode is bound by these loads.
+// - p @ V accumulates MR query vectors x DC elements of head_dim in registers
+//   (pv_block) and reads each V row once per block, instead of streaming the
+//   accumulator through memory once per (key, query vector).
 // - Items are spread over threads with at::parallel_for.
 #include "ops.h"
 
@@ -27,11 +33,13 @@
 namespace minivllm {
 namespace {
 
-constexpr int64_t KEY_TILE = 32;          // keys scored per online-softmax update
+constexpr int64_t KEY_TILE = 32;          // keys per online-softmax update
+constexpr int64_t MR = 4;                 // query vectors per register block
+constexpr int64_t DC = 32;                // head_dim elements per register block of p @ V
 constexpr int64_t MAX_TILE_QUERIES = 32;  // query vectors (rows x group heads) per item
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// A K/V row as float32: the row itself for float32 caches, else converted into buf.
+// A K row as float32: the row itself for float32 caches, else converted into buf.
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* row, float* buf, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -39,6 +47,26 @@ inline const float* as_float(const scalar_t* row, float* buf, int64_t n) {
   } else {
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
     return buf;
+  }
+}
+
+// acc[r][d0 + l] += sum_j p[r][j] * v_j[d0 + l] for MR query vectors and DC
+// elements of head_dim: MR x DC accumulators in registers, each V row loaded once.
+inline void pv_block(const float* __restrict p, const float* const* v_rows, int64_t kt,
+                     float* __restrict acc, int64_t head_dim, int64_t d0) {
+  float a[MR][DC];
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t l = 0; l < DC; ++l) a[r][l] = acc[r * head_dim + d0 + l];
+  }
+  for (int64_t j = 0; j < kt; ++j) {
+    const float* v = v_rows[j] + d0;
+    for (int64_t r = 0; r < MR; ++r) {
+      const float pr = p[r * KEY_TILE + j];
+      for (int64_t l = 0; l < DC; ++l) a[r][l] += pr * v[l];
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t l = 0; l < DC; ++l) acc[r * head_dim + d0 + l] = a[r][l];
   }
 }
 
@@ -97,13 +125,15 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
   }
   const int64_t grain = work * num_kv_heads <= GRAIN_ELEMENTS ? num_items : 1;
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    // Scratch, reused by every item this thread runs.
-    std::vector<float> q_buf(max_m * head_dim), acc(max_m * head_dim);
-    std::vector<float> scores(max_m * KEY_TILE), row_max(max_m), row_sum(max_m);
-    std::vector<float> k_buf(KEY_TILE * head_dim), v_buf(head_dim);
-    std::vector<int64_t> pos(max_m);
+    // Scratch, reused by every item this thread runs; query vectors padded to MR.
+    const int64_t m_cap = (max_m + MR - 1) / MR * MR;
+    std::vector<float> q_buf(m_cap * head_dim), acc(m_cap * head_dim);
+    std::vector<float> scores(m_cap * KEY_TILE), row_max(m_cap), row_sum(m_cap);
+    std::vector<float> k_buf(head_dim);
+    std::vector<float> v_buf(std::is_same_v<scalar_t, float> ? 0 : KEY_TILE * head_dim);
+    std::vector<int64_t> pos(m_cap);
     const scalar_t* k_rows[KEY_TILE];
-    const scalar_t* v_rows[KEY_TILE];
+    const float* v_rows[KEY_TILE];
 
     for (int64_t w = begin; w < end; ++w) {
       const Item& it = items[w / num_kv_heads];
@@ -112,19 +142,26 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
       const int64_t ctx = lens[it.seq] - query_len;  // keys already cached before this step
       const int32_t* table = tables + it.seq * table_stride;
       const int64_t m_count = (it.row_end - it.row_begin) * group;
+      const int64_t m_pad = (m_count + MR - 1) / MR * MR;
 
-      // Query vector m = (row, head in the group), pre-scaled, as float32.
-      for (int64_t m = 0; m < m_count; ++m) {
-        const int64_t row = it.row_begin + m / group;
-        const int64_t head = kv_head * group + m % group;
-        const scalar_t* q = q_ptr + (qsl[it.seq] + row) * q_st + head * q_sh;
+      // Query vector m = (row, head in the group), pre-scaled, as float32; the
+      // padding vectors up to a multiple of MR are zero and their results unused.
+      for (int64_t m = 0; m < m_pad; ++m) {
         float* qb = q_buf.data() + m * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qb[d] = static_cast<float>(q[d]) * scale;
-        pos[m] = ctx + row;  // causal: sees keys 0 .. pos[m]
+        if (m < m_count) {
+          const int64_t row = it.row_begin + m / group;
+          const int64_t head = kv_head * group + m % group;
+          const scalar_t* q = q_ptr + (qsl[it.seq] + row) * q_st + head * q_sh;
+          for (int64_t d = 0; d < head_dim; ++d) qb[d] = static_cast<float>(q[d]) * scale;
+          pos[m] = ctx + row;  // causal: sees keys 0 .. pos[m]
+        } else {
+          std::fill(qb, qb + head_dim, 0.f);
+          pos[m] = -1;
+        }
         row_max[m] = NEG_INF;
         row_sum[m] = 0.f;
       }
-      std::fill(acc.begin(), acc.begin() + m_count * head_dim, 0.f);
+      std::fill(acc.begin(), acc.begin() + m_pad * head_dim, 0.f);
 
       const int64_t num_keys = ctx + it.row_end;  // the last row sees this many
       for (int64_t t0 = 0; t0 < num_keys; t0 += KEY_TILE) {
@@ -134,30 +171,47 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
           const int64_t off = table[t / block_size] * c_sb + (t % block_size) * c_ss +
                               kv_head * c_sh;
           k_rows[j] = k_ptr + off;
-          v_rows[j] = v_ptr + off;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            v_rows[j] = v_ptr + off;
+          } else {  // one float32 copy of the tile's V rows
+            float* vb = v_buf.data() + j * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) vb[d] = static_cast<float>(v_ptr[off + d]);
+            v_rows[j] = vb;
+          }
+        }
+        // Ask for the next tile's K/V rows now: the rows of one KV head are scattered
+        // (stride H_kv * D, blocks anywhere), so the hardware prefetcher cannot guess
+        // them, and the loads below would each wait for memory.
+        for (int64_t t = t0 + KEY_TILE; t < std::min(num_keys, t0 + 2 * KEY_TILE); ++t) {
+          const int64_t off = table[t / block_size] * c_sb + (t % block_size) * c_ss +
+                              kv_head * c_sh;
+          for (int64_t d = 0; d < head_dim; d += 64 / sizeof(scalar_t)) {  // a cache line
+            __builtin_prefetch(k_ptr + off + d);
+            __builtin_prefetch(v_ptr + off + d);
+          }
         }
         // Scores: each key row is loaded once and dotted with every query vector.
         for (int64_t j = 0; j < kt; ++j) {
-          const float* k = as_float(k_rows[j], k_buf.data() + j * head_dim, head_dim);
+          const float* k = as_float(k_rows[j], k_buf.data(), head_dim);
           for (int64_t m = 0; m < m_count; ++m) {
-            scores[m * KEY_TILE + j] =
-                t0 + j <= pos[m] ? dot(q_buf.data() + m * head_dim, k, head_dim) : NEG_INF;
+            scores[m * KEY_TILE + j] = dot(q_buf.data() + m * head_dim, k, head_dim);
           }
         }
-        // Online softmax: fold this tile's scores into the running max and sum.
+        // Online softmax: mask, then fold this tile's scores into the running max and sum.
         for (int64_t m = 0; m < m_count; ++m) {
           float* s = scores.data() + m * KEY_TILE;
-          float tile_max = NEG_INF;
-          for (int64_t j = 0; j < kt; ++j) tile_max = std::max(tile_max, s[j]);
-          if (tile_max == NEG_INF) {  // every key of the tile is in this row's future
+          const int64_t visible = std::min(kt, pos[m] - t0 + 1);  // keys t0 .. pos[m]
+          if (visible <= 0) {  // every key of the tile is in this row's future
             std::fill(s, s + kt, 0.f);
             continue;
           }
+          float tile_max = NEG_INF;
+          for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
           const float new_max = std::max(row_max[m], tile_max);
           const float alpha = fast_exp(row_max[m] - new_max);  // 0 on the first tile
           float tile_sum = 0.f;
           for (int64_t j = 0; j < kt; ++j) {
-            s[j] = fast_exp(s[j] - new_max);  // masked keys: exp(-inf) = 0
+            s[j] = j < visible ? fast_exp(s[j] - new_max) : 0.f;
             tile_sum += s[j];
           }
           row_sum[m] = row_sum[m] * alpha + tile_sum;
@@ -167,14 +221,17 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
           }
         }
-        // acc += p @ V: each value row is loaded once for every query vector.
-        for (int64_t j = 0; j < kt; ++j) {
-          const float* v = as_float(v_rows[j], v_buf.data(), head_dim);
-          for (int64_t m = 0; m < m_count; ++m) {
-            const float p = scores[m * KEY_TILE + j];
-            if (p == 0.f) continue;  // masked
-            float* a = acc.data() + m * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+        // acc += p @ V: MR query vectors x DC elements of head_dim per register block.
+        for (int64_t m0 = 0; m0 < m_pad; m0 += MR) {
+          float* a = acc.data() + m0 * head_dim;
+          const float* p = scores.data() + m0 * KEY_TILE;
+          int64_t d0 = 0;
+          for (; d0 + DC <= head_dim; d0 += DC) pv_block(p, v_rows, kt, a, head_dim, d0);
+          for (int64_t j = 0; j < kt && d0 < head_dim; ++j) {  // head_dim % DC tail
+            for (int64_t r = 0; r < MR; ++r) {
+              const float pr = p[r * KEY_TILE + j];
+              for (int64_t d = d0; d < head_dim; ++d) a[r * head_dim + d] += pr * v_rows[j][d];
+            }
           }
         }
       }
