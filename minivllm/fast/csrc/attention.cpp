@@ -27,7 +27,8 @@
 // - p @ V accumulates MR query vectors x DC elements of head_dim in registers
 //   (pv_block) and reads each V row once per block, instead of streaming the
 //   accumulator through memory once per (key, query vector).
-// - Items are spread over threads with at::parallel_for.
+// - Items are spread over threads with at::parallel_for, one contiguous run
+//   of about equal work (keys x query vectors) per thread.
 #include "ops.h"
 
 #include <algorithm>
@@ -122,14 +123,29 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t m_cap = (rows_per_item * group + MR - 1) / MR * MR;  // per KV head, padded
 
-  // A tiny batch (a few short sequences) stays on this thread; otherwise one item at a time.
-  int64_t work = 0;  // keys x query vectors x head_dim, summed over the items
-  for (const Item& it : items) {
+  // Work per item: keys x query vectors x head_dim.
+  std::vector<int64_t> item_work(num_items);
+  int64_t work = 0;
+  for (int64_t w = 0; w < num_items; ++w) {
+    const Item& it = items[w];
     const int64_t keys = lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.row_end;
-    work += keys * (it.row_end - it.row_begin) * num_heads * head_dim;
+    item_work[w] = keys * (it.row_end - it.row_begin) * num_heads * head_dim;
+    work += item_work[w];
   }
-  const int64_t grain = work <= GRAIN_ELEMENTS ? num_items : 1;
-  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+  // One contiguous run of items per thread, cut where the cumulative work crosses
+  // an equal share: at::parallel_for hands each thread an equal *count* of items,
+  // and with sequences of different lengths one thread would idle while the other
+  // finished. A tiny batch (a few short sequences) stays on this thread.
+  const int64_t parts =
+      work <= GRAIN_ELEMENTS ? 1 : std::min<int64_t>(num_items, at::get_num_threads());
+  std::vector<int64_t> bounds(parts + 1, num_items);
+  bounds[0] = 0;
+  int64_t done = 0;
+  for (int64_t w = 0, p = 1; w < num_items && p < parts; ++w) {
+    done += item_work[w];
+    while (p < parts && done * parts >= work * p) bounds[p++] = w + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     // Scratch, reused by every item this thread runs. KV head h owns the query
     // vectors [h * m_cap, (h + 1) * m_cap) of q_buf / acc / row_max / row_sum.
     std::vector<float> q_buf(num_kv_heads * m_cap * head_dim), acc(q_buf.size());
@@ -141,7 +157,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     int64_t next_off[KEY_TILE];  // the same for the next tile
     const float* v_rows[KEY_TILE];
 
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t w = bounds[part_begin]; w < bounds[part_end]; ++w) {
       const Item& it = items[w];
       const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
       const int64_t ctx = lens[it.seq] - query_len;  // keys already cached before this step
