@@ -131,6 +131,21 @@ def test_attention_chunked_prefill_over_cached_prefix():
     check_attention([(70, 115), (1, 5), (33, 33)], 1, 7, 24, 16, torch.bfloat16, seed=3)
 
 
+def test_attention_reads_a_strided_query():
+    """The model passes q as a view of its fused qkv projection (token stride > H * D)."""
+    seqs = [(5, 40), (1, 17), (12, 12), (1, 70)]
+    query, k_cache, v_cache, md, slots = paged_batch(seqs, 2, 3, 40, 16, torch.float32, seed=5)
+    qkv = torch.randn(query.shape[0], query.shape[1] + 4, 40)  # (T, H + 2 H_kv, D)
+    qkv[:, : query.shape[1]] = query
+    view = qkv[:, : query.shape[1]]  # (T, H, D) with token stride (H + 4) * D
+    assert not view.is_contiguous()
+    scale = 40**-0.5
+    out = attention.paged_attention_cpu(view, k_cache, v_cache, md, scale)
+    clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    assert_close(out, attention_oracle(query, clean_k, clean_v, seqs, slots, scale),
+                 torch.float32, scale=1.5)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- cache write
 @settings(max_examples=examples(25))
 @given(num_tokens=st.integers(1, 40), num_kv_heads=st.integers(1, 3),

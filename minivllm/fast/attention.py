@@ -25,9 +25,11 @@ waits for the GPU.
 
 On a CPU the work goes to the C++ op ``torch.ops.minivllm.paged_attention``
 (``minivllm/fast/csrc/attention.cpp``): one op for every kind of batch, each
-(sequence, KV head, tile of query rows) a work item over threads, the GQA
-group's query heads sharing every K/V row it reads, and an online softmax
-over tiles of keys. :func:`paged_attention` picks the realisation from the
+(sequence, tile of query rows) a work item over threads that reads the cache
+as whole token rows (every KV head per tile of keys, the next tile
+prefetched), the GQA group's query heads sharing every K/V row it reads, and
+an online softmax over tiles of keys. Prefill sequences stay on this op: a
+per-sequence gather + SDPA was measured no faster at SmolLM2's shapes. :func:`paged_attention` picks the realisation from the
 tensor's device; ``paged_attention_triton`` / ``paged_attention_cpu`` name
 them directly (``minivllm.fast.triton`` / ``minivllm.fast.cpu``).
 

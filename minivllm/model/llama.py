@@ -154,11 +154,13 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()  # (T, H_kv, D)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        # q, k and v stay strided views of qkv (no copies): every twin of RoPE, the
+        # cache write and attention takes any token/head strides with unit stride on D.
+        q, k = self.rotary_emb(positions, q, k)
 
         k_cache, v_cache = kv_cache
         with op_range("op.cache_write"):

@@ -9,14 +9,26 @@
 //
 // How it differs from the ref, and why it is faster:
 // - K/V are read in place through the block table, never gathered into a copy.
-// - One work item is (sequence, KV head, a tile of query rows). All the query
-//   heads that share the KV head (the GQA group) and all the rows of the tile
+// - One work item is (sequence, a tile of query rows). For each tile of keys it
+//   runs every KV head in turn: a token's heads are adjacent in the cache, so
+//   the item reads whole contiguous rows rather than one head's slice of each
+//   (a stride the hardware prefetcher cannot follow). Within a KV head, all
+//   the query heads that share it (the GQA group) and all the rows of the tile
 //   are scored against each key row while it sits in L1, so each K/V row is
 //   read from memory once per item, not once per query head.
 // - Keys are visited in tiles of KEY_TILE with an online softmax (running max
 //   and running sum, rescaling the accumulator when the max grows), so no score
 //   matrix is ever built and a block size of 1 costs no more than 16.
-// - Items are spread over threads with at::parallel_for.
+// - The next tile's K/V rows are prefetched while this one is scored, one key
+//   at a time between the dot products: blocks sit anywhere in the cache
+//   (hardware prefetchers stop at page boundaries) and decode is bound by these
+//   loads. Spread out, the requests overlap the arithmetic; issued as one burst
+//   per tile they stalled on the full miss queue (decode 2x slower).
+// - p @ V accumulates MR query vectors x DC elements of head_dim in registers
+//   (pv_block) and reads each V row once per block, instead of streaming the
+//   accumulator through memory once per (key, query vector).
+// - Items are spread over threads with at::parallel_for, one contiguous run
+//   of about equal work (keys x query vectors) per thread.
 #include "ops.h"
 
 #include <algorithm>
@@ -27,11 +39,13 @@
 namespace minivllm {
 namespace {
 
-constexpr int64_t KEY_TILE = 32;          // keys scored per online-softmax update
+constexpr int64_t KEY_TILE = 32;          // keys per online-softmax update
+constexpr int64_t MR = 4;                 // query vectors per register block
+constexpr int64_t DC = 32;                // head_dim elements per register block of p @ V
 constexpr int64_t MAX_TILE_QUERIES = 32;  // query vectors (rows x group heads) per item
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// A K/V row as float32: the row itself for float32 caches, else converted into buf.
+// A K row as float32: the row itself for float32 caches, else converted into buf.
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* row, float* buf, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -39,6 +53,26 @@ inline const float* as_float(const scalar_t* row, float* buf, int64_t n) {
   } else {
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
     return buf;
+  }
+}
+
+// acc[r][d0 + l] += sum_j p[r][j] * v_j[d0 + l] for MR query vectors and DC
+// elements of head_dim: MR x DC accumulators in registers, each V row loaded once.
+inline void pv_block(const float* __restrict p, const float* const* v_rows, int64_t kt,
+                     float* __restrict acc, int64_t head_dim, int64_t d0) {
+  float a[MR][DC];
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t l = 0; l < DC; ++l) a[r][l] = acc[r * head_dim + d0 + l];
+  }
+  for (int64_t j = 0; j < kt; ++j) {
+    const float* v = v_rows[j] + d0;
+    for (int64_t r = 0; r < MR; ++r) {
+      const float pr = p[r * KEY_TILE + j];
+      for (int64_t l = 0; l < DC; ++l) a[r][l] += pr * v[l];
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t l = 0; l < DC; ++l) acc[r * head_dim + d0 + l] = a[r][l];
   }
 }
 
@@ -86,105 +120,161 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
                                                          qsl[s + 1] - qsl[s])});
     }
   }
-  const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
-  const int64_t max_m = rows_per_item * group;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t m_cap = (rows_per_item * group + MR - 1) / MR * MR;  // per KV head, padded
 
-  // A tiny batch (a few short sequences) stays on this thread; otherwise one item at a time.
-  int64_t work = 0;  // keys x query vectors x head_dim, summed over the items of one KV head
-  for (const Item& it : items) {
+  // Work per item: keys x query vectors x head_dim.
+  std::vector<int64_t> item_work(num_items);
+  int64_t work = 0;
+  for (int64_t w = 0; w < num_items; ++w) {
+    const Item& it = items[w];
     const int64_t keys = lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.row_end;
-    work += keys * (it.row_end - it.row_begin) * group * head_dim;
+    item_work[w] = keys * (it.row_end - it.row_begin) * num_heads * head_dim;
+    work += item_work[w];
   }
-  const int64_t grain = work * num_kv_heads <= GRAIN_ELEMENTS ? num_items : 1;
-  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    // Scratch, reused by every item this thread runs.
-    std::vector<float> q_buf(max_m * head_dim), acc(max_m * head_dim);
-    std::vector<float> scores(max_m * KEY_TILE), row_max(max_m), row_sum(max_m);
-    std::vector<float> k_buf(KEY_TILE * head_dim), v_buf(head_dim);
-    std::vector<int64_t> pos(max_m);
-    const scalar_t* k_rows[KEY_TILE];
-    const scalar_t* v_rows[KEY_TILE];
+  // One contiguous run of items per thread, cut where the cumulative work crosses
+  // an equal share: at::parallel_for hands each thread an equal *count* of items,
+  // and with sequences of different lengths one thread would idle while the other
+  // finished. A tiny batch (a few short sequences) stays on this thread.
+  const int64_t parts =
+      work <= GRAIN_ELEMENTS ? 1 : std::min<int64_t>(num_items, at::get_num_threads());
+  std::vector<int64_t> bounds(parts + 1, num_items);
+  bounds[0] = 0;
+  int64_t done = 0;
+  for (int64_t w = 0, p = 1; w < num_items && p < parts; ++w) {
+    done += item_work[w];
+    while (p < parts && done * parts >= work * p) bounds[p++] = w + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    // Scratch, reused by every item this thread runs. KV head h owns the query
+    // vectors [h * m_cap, (h + 1) * m_cap) of q_buf / acc / row_max / row_sum.
+    std::vector<float> q_buf(num_kv_heads * m_cap * head_dim), acc(q_buf.size());
+    std::vector<float> row_max(num_kv_heads * m_cap), row_sum(row_max.size());
+    std::vector<float> scores(m_cap * KEY_TILE), k_buf(head_dim);
+    std::vector<float> v_buf(std::is_same_v<scalar_t, float> ? 0 : KEY_TILE * head_dim);
+    std::vector<int64_t> pos(m_cap);
+    int64_t key_off[KEY_TILE];   // cache offset of each key of the tile, at KV head 0
+    int64_t next_off[KEY_TILE];  // the same for the next tile
+    const float* v_rows[KEY_TILE];
 
-    for (int64_t w = begin; w < end; ++w) {
-      const Item& it = items[w / num_kv_heads];
-      const int64_t kv_head = w % num_kv_heads;
+    for (int64_t w = bounds[part_begin]; w < bounds[part_end]; ++w) {
+      const Item& it = items[w];
       const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
       const int64_t ctx = lens[it.seq] - query_len;  // keys already cached before this step
       const int32_t* table = tables + it.seq * table_stride;
-      const int64_t m_count = (it.row_end - it.row_begin) * group;
+      const int64_t m_count = (it.row_end - it.row_begin) * group;  // per KV head
+      const int64_t m_pad = (m_count + MR - 1) / MR * MR;
 
-      // Query vector m = (row, head in the group), pre-scaled, as float32.
-      for (int64_t m = 0; m < m_count; ++m) {
-        const int64_t row = it.row_begin + m / group;
-        const int64_t head = kv_head * group + m % group;
-        const scalar_t* q = q_ptr + (qsl[it.seq] + row) * q_st + head * q_sh;
-        float* qb = q_buf.data() + m * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qb[d] = static_cast<float>(q[d]) * scale;
-        pos[m] = ctx + row;  // causal: sees keys 0 .. pos[m]
-        row_max[m] = NEG_INF;
-        row_sum[m] = 0.f;
+      // Query vector m of KV head h = (row, head in the group), pre-scaled, as
+      // float32; the padding up to a multiple of MR is zero and its results unused.
+      for (int64_t m = 0; m < m_pad; ++m) pos[m] = m < m_count ? ctx + it.row_begin + m / group : -1;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t m = 0; m < m_pad; ++m) {
+          float* qb = q_buf.data() + (h * m_cap + m) * head_dim;
+          if (m < m_count) {
+            const int64_t row = it.row_begin + m / group;
+            const scalar_t* q = q_ptr + (qsl[it.seq] + row) * q_st + (h * group + m % group) * q_sh;
+            for (int64_t d = 0; d < head_dim; ++d) qb[d] = static_cast<float>(q[d]) * scale;
+          } else {
+            std::fill(qb, qb + head_dim, 0.f);
+          }
+          row_max[h * m_cap + m] = NEG_INF;
+          row_sum[h * m_cap + m] = 0.f;
+        }
       }
-      std::fill(acc.begin(), acc.begin() + m_count * head_dim, 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
 
       const int64_t num_keys = ctx + it.row_end;  // the last row sees this many
       for (int64_t t0 = 0; t0 < num_keys; t0 += KEY_TILE) {
         const int64_t kt = std::min(KEY_TILE, num_keys - t0);
         for (int64_t j = 0; j < kt; ++j) {  // key t lives in block table[t / bs], slot t % bs
           const int64_t t = t0 + j;
-          const int64_t off = table[t / block_size] * c_sb + (t % block_size) * c_ss +
-                              kv_head * c_sh;
-          k_rows[j] = k_ptr + off;
-          v_rows[j] = v_ptr + off;
+          key_off[j] = table[t / block_size] * c_sb + (t % block_size) * c_ss;
         }
-        // Scores: each key row is loaded once and dotted with every query vector.
-        for (int64_t j = 0; j < kt; ++j) {
-          const float* k = as_float(k_rows[j], k_buf.data() + j * head_dim, head_dim);
-          for (int64_t m = 0; m < m_count; ++m) {
-            scores[m * KEY_TILE + j] =
-                t0 + j <= pos[m] ? dot(q_buf.data() + m * head_dim, k, head_dim) : NEG_INF;
-          }
+        // Where the next tile's keys are, to prefetch them while this tile is scored.
+        const int64_t next_kt = std::clamp<int64_t>(num_keys - t0 - KEY_TILE, 0, KEY_TILE);
+        for (int64_t j = 0; j < next_kt; ++j) {
+          const int64_t t = t0 + KEY_TILE + j;
+          next_off[j] = table[t / block_size] * c_sb + (t % block_size) * c_ss;
         }
-        // Online softmax: fold this tile's scores into the running max and sum.
-        for (int64_t m = 0; m < m_count; ++m) {
-          float* s = scores.data() + m * KEY_TILE;
-          float tile_max = NEG_INF;
-          for (int64_t j = 0; j < kt; ++j) tile_max = std::max(tile_max, s[j]);
-          if (tile_max == NEG_INF) {  // every key of the tile is in this row's future
-            std::fill(s, s + kt, 0.f);
-            continue;
-          }
-          const float new_max = std::max(row_max[m], tile_max);
-          const float alpha = fast_exp(row_max[m] - new_max);  // 0 on the first tile
-          float tile_sum = 0.f;
+        // Every KV head of the tile while its rows are in cache: a token's heads are
+        // adjacent in memory, so the item reads the cache as whole contiguous rows.
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const float* qh = q_buf.data() + h * m_cap * head_dim;
+          float* acc_h = acc.data() + h * m_cap * head_dim;
+          float* max_h = row_max.data() + h * m_cap;
+          float* sum_h = row_sum.data() + h * m_cap;
           for (int64_t j = 0; j < kt; ++j) {
-            s[j] = fast_exp(s[j] - new_max);  // masked keys: exp(-inf) = 0
-            tile_sum += s[j];
+            // Ask for the next tile's rows of this head now, one key at a time so the
+            // requests overlap the arithmetic: blocks sit anywhere in the cache, where
+            // no hardware prefetcher looks, and each load would wait for memory.
+            if (j < next_kt) {
+              for (int64_t d = 0; d < head_dim; d += 64 / sizeof(scalar_t)) {  // a cache line
+                __builtin_prefetch(k_ptr + next_off[j] + h * c_sh + d);
+                __builtin_prefetch(v_ptr + next_off[j] + h * c_sh + d);
+              }
+            }
+            const int64_t off = key_off[j] + h * c_sh;
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              v_rows[j] = v_ptr + off;
+            } else {  // one float32 copy of the tile's V rows
+              float* vb = v_buf.data() + j * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) vb[d] = static_cast<float>(v_ptr[off + d]);
+              v_rows[j] = vb;
+            }
+            // Scores: each key row is loaded once and dotted with every query vector.
+            const float* k = as_float(k_ptr + off, k_buf.data(), head_dim);
+            for (int64_t m = 0; m < m_count; ++m) {
+              scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim);
+            }
           }
-          row_sum[m] = row_sum[m] * alpha + tile_sum;
-          row_max[m] = new_max;
-          if (alpha != 1.f) {
-            float* a = acc.data() + m * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+          // Online softmax: mask, then fold this tile's scores into the running max and sum.
+          for (int64_t m = 0; m < m_pad; ++m) {
+            float* s = scores.data() + m * KEY_TILE;
+            const int64_t visible = std::min(kt, pos[m] - t0 + 1);  // keys t0 .. pos[m]
+            if (visible <= 0) {  // a padding vector, or every key is in this row's future
+              std::fill(s, s + kt, 0.f);
+              continue;
+            }
+            float tile_max = NEG_INF;
+            for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+            const float new_max = std::max(max_h[m], tile_max);
+            const float alpha = fast_exp(max_h[m] - new_max);  // 0 on the first tile
+            float tile_sum = 0.f;
+            for (int64_t j = 0; j < kt; ++j) {
+              s[j] = j < visible ? fast_exp(s[j] - new_max) : 0.f;
+              tile_sum += s[j];
+            }
+            sum_h[m] = sum_h[m] * alpha + tile_sum;
+            max_h[m] = new_max;
+            if (alpha != 1.f) {
+              float* a = acc_h + m * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+            }
           }
-        }
-        // acc += p @ V: each value row is loaded once for every query vector.
-        for (int64_t j = 0; j < kt; ++j) {
-          const float* v = as_float(v_rows[j], v_buf.data(), head_dim);
-          for (int64_t m = 0; m < m_count; ++m) {
-            const float p = scores[m * KEY_TILE + j];
-            if (p == 0.f) continue;  // masked
-            float* a = acc.data() + m * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+          // acc += p @ V: MR query vectors x DC elements of head_dim per register block.
+          for (int64_t m0 = 0; m0 < m_pad; m0 += MR) {
+            float* a = acc_h + m0 * head_dim;
+            const float* p = scores.data() + m0 * KEY_TILE;
+            int64_t d0 = 0;
+            for (; d0 + DC <= head_dim; d0 += DC) pv_block(p, v_rows, kt, a, head_dim, d0);
+            for (int64_t j = 0; j < kt && d0 < head_dim; ++j) {  // head_dim % DC tail
+              for (int64_t r = 0; r < MR; ++r) {
+                const float pr = p[r * KEY_TILE + j];
+                for (int64_t d = d0; d < head_dim; ++d) a[r * head_dim + d] += pr * v_rows[j][d];
+              }
+            }
           }
         }
       }
-      for (int64_t m = 0; m < m_count; ++m) {
-        const int64_t row = it.row_begin + m / group;
-        const int64_t head = kv_head * group + m % group;
-        scalar_t* o = o_ptr + (qsl[it.seq] + row) * o_st + head * o_sh;
-        const float inv = 1.f / row_sum[m];
-        const float* a = acc.data() + m * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[d] * inv);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t m = 0; m < m_count; ++m) {
+          const int64_t row = it.row_begin + m / group;
+          scalar_t* o = o_ptr + (qsl[it.seq] + row) * o_st + (h * group + m % group) * o_sh;
+          const float inv = 1.f / row_sum[h * m_cap + m];
+          const float* a = acc.data() + (h * m_cap + m) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[d] * inv);
+        }
       }
     }
   });
