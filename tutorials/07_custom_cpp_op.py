@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")  # no window: the figure is saved as a PNG
 import matplotlib.pyplot as plt
 import torch
+from _figures import figure_path  # tutorials/figures/, ignored by git
 from torch.utils.cpp_extension import load_inline
 
 from minivllm.fast.cpu_ops import compile_flags
@@ -199,7 +200,7 @@ ax.set_ylabel("median time (ms)")
 ax.set_title("RMSNorm on a CPU: ref vs a custom C++ op")
 ax.legend()
 fig.tight_layout()
-fig.savefig("07_custom_cpp_op.png", dpi=110)
+fig.savefig(figure_path("07_custom_cpp_op.png"), dpi=110)
 print("wrote 07_custom_cpp_op.png")
 
 # %% [markdown]
