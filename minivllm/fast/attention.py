@@ -45,29 +45,14 @@ from minivllm.fast import cpu_ops
 from minivllm.fast.attention_decode import paged_decode_attention
 from minivllm.fast.attention_prefill import unified_attention
 from minivllm.metadata import AttentionMetadata
-from minivllm.ref.attention import gather_kv
+from minivllm.ref.attention import _check_shapes, gather_kv
 
 __all__ = ["gather_kv", "paged_attention"]
 
 
 def _check(query, k_cache, v_cache, metadata: AttentionMetadata) -> None:
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be (num_tokens, num_heads, head_dim), got {tuple(query.shape)}"
-        )
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, "
-            f"head_dim), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} must equal query head_dim {head_dim}")
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
+    """The ref's shape checks, plus the layout both kernels assume (no per-sequence loop)."""
+    _check_shapes(query, k_cache, v_cache, metadata)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
     if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
@@ -75,14 +60,7 @@ def _check(query, k_cache, v_cache, metadata: AttentionMetadata) -> None:
             f"query, k_cache and v_cache must share a dtype, got {query.dtype}, "
             f"{k_cache.dtype}, {v_cache.dtype}"
         )
-    if metadata.query_start_loc_host[-1] != query.shape[0]:
-        # Metadata built for another batch (e.g. the previous step's) must not be reused.
-        raise ValueError(
-            f"query has {query.shape[0]} rows but the metadata describes "
-            f"query_start_loc_host[-1] = {metadata.query_start_loc_host[-1]} query tokens "
-            f"(metadata from another step?)"
-        )
-    num_seqs = metadata.seq_lens.shape[0]
+    num_seqs = metadata.num_seqs
     if metadata.query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(
             f"query_start_loc must have shape ({num_seqs + 1},), "

@@ -65,10 +65,11 @@ def gather_kv(
     # END SOLUTION
 
 
-def _check(
+def _check_shapes(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
 ) -> None:
-    """Raise ``ValueError`` naming the field when the inputs do not fit together."""
+    """Raise ``ValueError`` naming the field when the shapes do not fit together
+    (shared with the fast twin, which adds its own layout checks)."""
     if query.dim() != 3:
         raise ValueError(
             f"query must be (num_tokens, num_heads, head_dim), got {tuple(query.shape)}"
@@ -98,6 +99,13 @@ def _check(
             f"query has {query.shape[0]} rows but the metadata describes "
             f"query_start_loc_host[-1] = {qsl[-1]} query tokens (metadata from another step?)"
         )
+
+
+def _check(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
+) -> None:
+    """Raise ``ValueError`` naming the field when the inputs do not fit together."""
+    _check_shapes(query, k_cache, v_cache, md)
     capacity = md.block_tables.shape[1] * k_cache.shape[1]
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
         if not 0 <= query_len <= seq_len <= capacity:
