@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.fast import cpu_ops
+from minivllm.ref import cache_write as ref_cache_write
 
 try:
     import triton
@@ -89,27 +90,9 @@ def reshape_and_cache(
 
 
 def _prepare(key, value, k_cache, v_cache, slot_mapping):
-    """Validate; return key and value with unit stride on head_dim."""
-    if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(
-            f"key and value must both be (num_tokens, num_kv_heads, head_dim), "
-            f"got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, "
-            f"head_dim), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} must match key's "
-            f"{(num_kv_heads, head_dim)}"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(
-            f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}"
-        )
+    """Validate (the ref's checks, plus the layout the kernels assume); return key and
+    value with unit stride on head_dim."""
+    ref_cache_write._check(key, value, k_cache, v_cache, slot_mapping)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
     if key.stride(-1) != 1:

@@ -118,23 +118,9 @@ def apply_rotary_emb(
 
 
 def _prepare(positions, query, key, cos_sin_cache):
-    """Validate; return query, key and the cache with unit stride on their last dimension."""
-    if query.dim() != 3 or key.dim() != 3 or query.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"query and key must be (num_tokens, heads, head_dim) with the same num_tokens, "
-            f"got {tuple(query.shape)} and {tuple(key.shape)}"
-        )
-    if positions.shape != (query.shape[0],):
-        raise ValueError(
-            f"positions must have shape ({query.shape[0]},), got {tuple(positions.shape)}"
-        )
-    rotary_dim = cos_sin_cache.shape[-1]
-    head_dim = min(query.shape[-1], key.shape[-1])
-    if cos_sin_cache.dim() != 2 or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(
-            f"cos_sin_cache must be (max_position, rotary_dim) with rotary_dim even and in "
-            f"[2, head_dim={head_dim}], got {tuple(cos_sin_cache.shape)}"
-        )
+    """Validate (the ref's checks); return query, key and the cache with unit stride on
+    their last dimension."""
+    ref_rotary._check(positions, query, key, cos_sin_cache)
     if query.stride(-1) != 1:
         query = query.contiguous()
     if key.stride(-1) != 1:
