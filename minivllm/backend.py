@@ -60,6 +60,7 @@ COMPONENTS: dict[str, str] = {
     "rotary": "kernel",
     "activation": "kernel",
     "sampler": "host",
+    "rejection_sampler": "host",
 }
 
 BUILTIN = ("ref", "fast", "auto")
