@@ -61,6 +61,7 @@ COMPONENTS: dict[str, str] = {
     "activation": "kernel",
     "sampler": "host",
     "rejection_sampler": "host",
+    "ngram_proposer": "host",
 }
 
 BUILTIN = ("ref", "fast", "auto")
