@@ -60,6 +60,8 @@ COMPONENTS: dict[str, str] = {
     "rotary": "kernel",
     "activation": "kernel",
     "sampler": "host",
+    "rejection_sampler": "host",
+    "ngram_proposer": "host",
 }
 
 BUILTIN = ("ref", "fast", "auto")

@@ -1,0 +1,14 @@
+"""Speculative decoding: what the proposers and the rejection sampler share.
+
+- :mod:`minivllm.spec_decode.config`: :class:`SpeculativeConfig`, vLLM's
+  ``speculative_config`` (method, ``num_speculative_tokens``, n-gram lookup
+  lengths, the draft model).
+- :mod:`minivllm.spec_decode.metadata`: :class:`SpecDecodeMetadata` (one step's
+  draft tokens, flattened), :class:`RejectionSamplerOutput`, and the helpers
+  both rejection-sampler twins call: input checks, per-position sampling
+  metadata and the one place verification randomness is drawn.
+
+The components themselves are twins behind the swap layer:
+``backend.get("rejection_sampler")`` and ``backend.get("ngram_proposer")``
+(``minivllm/ref/`` and ``minivllm/fast/``). See ``docs/speculative_decoding.md``.
+"""
