@@ -73,6 +73,11 @@ class LLM:
         enforce_eager: bool = False,
         **kwargs: Any,
     ) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"unknown engine arguments {unknown}; the engine arguments are "
+                             f"{sorted(fields)}")
         config = EngineConfig(
             model=model, backend=backend, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
 from minivllm import backend
-from minivllm.config import CacheConfig, SchedulerConfig, cdiv
+from minivllm.config import CacheConfig, SchedulerConfig, _require, cdiv
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -57,6 +58,32 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def _max_model_len(requested: int | None, hf_config) -> int:
+    """``max_model_len``: the request, else the model's limit; never past a sliding window.
+
+    A model with a sliding window (Mistral 7B v0.1: 4096) attends only to its
+    last ``sliding_window`` tokens. minivllm's attention attends to the whole
+    context, which is the same thing while no sequence is longer than the
+    window, so the length is capped there (see docs/models.md).
+    """
+    max_pos = getattr(hf_config, "max_position_embeddings", 2048)
+    if requested is not None and requested > max_pos:
+        raise ValueError(f"max_model_len must be at most the model's max_position_embeddings "
+                         f"({max_pos}), got {requested}")
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", True) or not isinstance(window, int):
+        return requested or max_pos
+    if requested is not None and requested > window:
+        raise ValueError(f"max_model_len must be at most the model's sliding_window ({window}: "
+                         f"minivllm has no sliding-window attention), got {requested}")
+    if requested is None and max_pos > window:
+        logger.warning("minivllm: max_model_len capped at the model's sliding_window (%d) "
+                       "instead of max_position_embeddings (%d): minivllm attends to the "
+                       "whole context, which equals sliding-window attention only up to "
+                       "the window", window, max_pos)
+    return requested or min(max_pos, window)
 
 
 @dataclass
@@ -87,20 +114,72 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
-            )
+        """Check every field before anything is loaded (one ``_require`` rule each)."""
+        _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                 "a registered name, a model directory or a .gguf path")
+        if self.backend is not None:
+            backend.validate_spec(self.backend)
+        dtypes = ("auto", *sorted(_DTYPES))
+        _require(self.dtype in _DTYPES.values() if isinstance(self.dtype, torch.dtype)
+                 else isinstance(self.dtype, str) and self.dtype in dtypes,
+                 "dtype", self.dtype, f"one of {dtypes} or torch.float32/float16/bfloat16")
+        _require(isinstance(self.device, (str, torch.device)) and _is_device(self.device),
+                 "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _require(_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
+                 f"an int in [{SEED_MIN}, {SEED_MAX}] (torch.Generator's range)")
+        for name, lo, hi in _INT_RANGES:
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "num_gpu_blocks_override"):
+                continue
+            _require(_is_int(value) and lo <= value <= hi, name, value,
+                     f"an int in [{lo}, {hi}]")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
+        g = self.gpu_memory_utilization
+        _require(isinstance(g, (int, float)) and not isinstance(g, bool) and 0.0 < g <= 1.0,
+                 "gpu_memory_utilization", g, "a number in (0, 1]")
+        memory = _physical_memory()
+        _require(self.kv_cache_memory <= memory, "kv_cache_memory", self.kv_cache_memory,
+                 f"at most this machine's memory ({memory} bytes)")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            _require(self.max_num_batched_tokens >= self.max_model_len,
+                     "max_num_batched_tokens", self.max_num_batched_tokens,
+                     f">= max_model_len={self.max_model_len} when chunked prefill is off")
+
+
+#: (field, lowest, highest) of EngineConfig's int fields. The upper bounds keep
+#: a typo from allocating a block table or a pool no machine has.
+_INT_RANGES = (
+    ("block_size", 1, 256),
+    ("max_num_seqs", 1, 1 << 16),
+    ("max_num_batched_tokens", 1, 1 << 24),
+    ("max_model_len", 1, 1 << 24),
+    ("kv_cache_memory", 1, 1 << 62),
+    ("num_gpu_blocks_override", 1, 1 << 24),
+    ("tensor_parallel_size", 1, 1024),
+)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_device(device: str | torch.device) -> bool:
+    if device == "auto":
+        return True
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM on this machine (a huge number where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class _RequestState:
@@ -122,45 +201,38 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        spec = backend.validate_spec(config.backend if config.backend is not None
-                                     else backend.get_backend())
-        self.backend_spec = spec
+        # The swap layer's choice, resolved ONCE for this engine and passed down:
+        # nothing below reads the process-global spec (see backend.Components).
+        self.components = backend.Components.resolve(config.backend)
+        self.backend_spec = self.components.spec
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        with backend.use_backend(spec):
-            self.executor = make_executor(config.model, dtype, device,
-                                          config.tensor_parallel_size, spec)
-            self.tokenizer = self.executor.tokenizer
-            hf_config = self.executor.hf_config
-            self.vocab_size = hf_config.vocab_size
-            max_pos = getattr(hf_config, "max_position_embeddings", 2048)
-            max_model_len = config.max_model_len or max_pos
-            if max_model_len > max_pos:
-                raise ValueError(
-                    f"max_model_len must be at most the model's max_position_embeddings "
-                    f"({max_pos}), got {max_model_len}"
-                )
-            num_blocks = self._num_kv_blocks(device, dtype)
-            # The KV cache and the block table live on every rank (the worker's).
-            self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
-                                        cdiv(max_model_len, config.block_size))
-            worker = getattr(self.executor, "worker", None)
-            if device.type == "cuda" and not config.enforce_eager and \
-                    config.tensor_parallel_size == 1 and worker is not None:
-                worker.capture_cuda_graphs(config.max_num_seqs, max_model_len,
-                                           config.block_size)
-            self.scheduler_config = SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            )
-            self.cache_config = CacheConfig(config.block_size, num_blocks,
-                                            config.enable_prefix_caching)
-            self.scheduler = backend.get("scheduler").Scheduler(
-                self.scheduler_config, self.cache_config
-            )
-            self.runner = ModelRunner(self.vocab_size, device, config.seed)
+        self.executor = make_executor(config.model, dtype, device,
+                                      config.tensor_parallel_size, self.components)
+        self.tokenizer = self.executor.tokenizer
+        hf_config = self.executor.hf_config
+        self.vocab_size = hf_config.vocab_size
+        max_model_len = _max_model_len(config.max_model_len, hf_config)
+        num_blocks = self._num_kv_blocks(device, dtype)
+        # The KV cache and the block table live on every rank (the worker's).
+        self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
+                                    cdiv(max_model_len, config.block_size))
+        worker = getattr(self.executor, "worker", None)
+        if device.type == "cuda" and not config.enforce_eager and \
+                config.tensor_parallel_size == 1 and worker is not None:
+            worker.capture_cuda_graphs(config.max_num_seqs, max_model_len, config.block_size)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.cache_config = CacheConfig(config.block_size, num_blocks,
+                                        config.enable_prefix_caching)
+        self.scheduler = self.components.scheduler.Scheduler(
+            self.scheduler_config, self.cache_config, components=self.components
+        )
+        self.runner = ModelRunner(self.vocab_size, device, config.seed, self.components)
         self.device, self.dtype = device, dtype
         self.eos_token_id = self.tokenizer.eos_token_id
         self.states: dict[str, _RequestState] = {}
@@ -170,7 +242,7 @@ class LLMEngine:
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
             "(max_model_len %d); backends %s",
             num_blocks, config.block_size, num_blocks * config.block_size,
-            max_model_len, backend.describe(spec),
+            max_model_len, self.components.describe(),
         )
 
     # -- set-up ---------------------------------------------------------------
@@ -178,9 +250,14 @@ class LLMEngine:
     def _num_kv_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
         """Size the KV pool from the memory budget."""
         cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
         per_block = self.executor.bytes_per_block(cfg.block_size)
+        if cfg.num_gpu_blocks_override is not None:
+            need = cfg.num_gpu_blocks_override * per_block
+            have = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                    else _physical_memory())
+            _require(need <= have, "num_gpu_blocks_override", cfg.num_gpu_blocks_override,
+                     f"at most {have // per_block} here (blocks of {per_block} bytes)")
+            return cfg.num_gpu_blocks_override
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             # Our share of the GPU minus what we hold already (weights), never more than

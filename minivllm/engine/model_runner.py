@@ -30,12 +30,15 @@ class ModelRunner:
         vocab_size: the model's vocabulary size (for sampling metadata).
         device: where the logits (rank 0's model device) and the sampler live.
         seed: seed of the generator shared by requests without their own seed.
+        components: the engine's :class:`~minivllm.backend.Components` (the
+            sampler comes from it; None resolves the global spec once).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0,
+                 components: backend.Components | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.sampler = backend.get("sampler")
+        self.sampler = backend.as_components(components).sampler
         # Requests without a seed share one generator; seeded ones get their own
         # (created in add_request), advanced only when that request samples.
         self.generator = torch.Generator(device=device).manual_seed(seed)
