@@ -34,16 +34,33 @@ A *backend spec* says which implementation to use:
 The global default is ``"auto"``, or the ``MINIVLLM_BACKEND`` environment
 variable. Change it with :func:`set_backend`, or temporarily with
 :func:`use_backend` as a context manager.
+
+**One choice per engine.** The engine does not read the global spec while it
+builds itself: it resolves its spec ONCE into a frozen :class:`Components`
+record (component name -> module) and hands that record down, explicitly,
+to everything it builds (scheduler, KV cache manager, block allocator,
+worker and block tables, model layers, sampler, tensor-parallel workers)::
+
+    components = backend.Components.resolve("fast")   # or a dict, a path, None
+    components.attention                               # the module, by attribute
+    components.get("sampler")                          # or by name
+    components.impls["attention"]                      # "fast", "ref" or a path
+
+So two engines with different backends live side by side in one process
+(also when built from two threads at once). Classes built directly (tests,
+benchmarks) without a record resolve the global spec once, at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import types
 import warnings
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 #: Every component of the engine, in data-flow order. ``kind`` says whether a
 #: component is host-side Python (runs anywhere) or a device kernel (its fast
@@ -130,13 +147,6 @@ def triton_available() -> bool:
 def triton_interpreted() -> bool:
     """True if Triton kernels will run in Triton's CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def fast_kernels_native() -> bool:
-    """True if Triton kernels can run compiled here (Triton plus a CUDA device)."""
-    import torch
-
-    return triton_available() and torch.cuda.is_available()
 
 
 def fast_kernels_unavailable() -> str | None:
@@ -252,3 +262,69 @@ def describe(spec: BackendSpec | None = None) -> dict[str, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a fallback is visible in the result itself
         return {name: provider_name(get(name, spec)) for name in COMPONENTS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """The module serving each component, resolved once: an engine's frozen record.
+
+    Built generically from :data:`COMPONENTS`, so a component added there
+    needs no edit here. Pickles as its resolved choices (``impls``), so a
+    tensor-parallel worker process rebuilds exactly the same record.
+
+    Attributes:
+        spec: the spec it was resolved from (``None`` if the global one).
+        impls: component name -> ``"ref"``, ``"fast"`` or an import path, with
+            every ``"auto"`` and every dict gap decided (read-only).
+        modules: component name -> the module (or object) serving it (read-only).
+    """
+
+    spec: Any
+    impls: Mapping[str, str]
+    modules: Mapping[str, Any]
+
+    @classmethod
+    def resolve(cls, spec: BackendSpec | None = None) -> Components:
+        """Resolve ``spec`` (None: the global spec, read once now) for every component."""
+        spec = validate_spec(_global_spec if spec is None else spec)
+        impls = {name: resolve(name, spec) for name in COMPONENTS}
+        # The decided names, not the spec: a dict's gaps were filled from the
+        # global spec just now, and must not be read again later.
+        modules = {name: get(name, impl) for name, impl in impls.items()}
+        return cls(spec, types.MappingProxyType(impls), types.MappingProxyType(modules))
+
+    def get(self, name: str) -> Any:
+        """The module serving component ``name``."""
+        _check_component(name)
+        return self.modules[name]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names that are not fields: `components.attention`.
+        modules = self.__dict__.get("modules")
+        if modules is not None and name in modules:
+            return modules[name]
+        raise AttributeError(f"{type(self).__name__} has no component {name!r}; "
+                             f"the components are {sorted(COMPONENTS)}")
+
+    def describe(self) -> dict[str, str]:
+        """Which module (or object) serves each component, e.g. for logging."""
+        return {name: provider_name(mod) for name, mod in self.modules.items()}
+
+    def __reduce__(self):
+        return (_components_from_impls, (dict(self.impls),))
+
+    def __repr__(self) -> str:
+        return f"Components({dict(self.impls)})"
+
+
+def _components_from_impls(impls: dict[str, str]) -> Components:
+    return Components.resolve(impls)
+
+
+def as_components(spec: Components | BackendSpec | None = None) -> Components:
+    """``spec`` if it is a :class:`Components` record already, else resolved now.
+
+    None resolves the global spec: what classes built directly (tests,
+    benchmarks) without an engine's record fall back to, once, at construction.
+    """
+    return spec if isinstance(spec, Components) else Components.resolve(spec)

@@ -177,3 +177,119 @@ def test_fast_kernels_fall_back_with_a_warning_when_they_cannot_run(monkeypatch)
     with pytest.warns(UserWarning, match="using the ref implementation"):
         mod = backend.get("layernorm", "fast")
     assert mod.__name__ == "minivllm.ref.layernorm"
+
+
+def _write_spy_package(root, name: str) -> None:
+    """A package serving activation, sampler and block_allocator that records its use."""
+    pkg = root / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "activation.py").write_text(textwrap.dedent("""
+        from minivllm.ref import activation as _ref
+        CALLS = []
+        def silu_and_mul(x):
+            CALLS.append(x.shape[0])
+            return _ref.silu_and_mul(x)
+    """))
+    (pkg / "sampler.py").write_text(textwrap.dedent("""
+        from minivllm.ref import sampler as _ref
+        CALLS = []
+        def sample(logits, metadata):
+            CALLS.append(logits.shape[0])
+            return _ref.sample(logits, metadata)
+    """))
+    (pkg / "block_allocator.py").write_text(textwrap.dedent("""
+        from minivllm.ref.block_allocator import BlockAllocator as _Ref
+        MADE = []
+        class BlockAllocator(_Ref):
+            def __init__(self, *args, **kwargs):
+                MADE.append(args)
+                super().__init__(*args, **kwargs)
+    """))
+
+
+def test_components_are_resolved_once_into_a_frozen_record() -> None:
+    import dataclasses
+
+    comps = backend.Components.resolve("ref")
+    assert set(comps.modules) == set(backend.COMPONENTS) == set(comps.impls)
+    assert comps.attention is comps.get("attention") is backend.get("attention", "ref")
+    with pytest.raises(AttributeError, match="no component"):
+        comps.attn  # noqa: B018
+    with pytest.raises(ValueError, match="unknown component"):
+        comps.get("attn")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        comps.spec = "fast"
+    with pytest.raises(TypeError):
+        comps.modules["attention"] = None  # read-only mapping
+    # A dict's gaps are filled from the global spec once, when it is resolved.
+    with backend.use_backend("ref"):
+        mixed = backend.Components.resolve({"scheduler": "fast"})
+    assert mixed.impls["scheduler"] == "fast" and mixed.impls["block_allocator"] == "ref"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(mixed))  # what a tensor-parallel worker receives
+    assert dict(again.impls) == dict(mixed.impls) and again.scheduler is mixed.scheduler
+
+
+def test_two_engines_with_different_backends_in_one_process(tmp_path, monkeypatch,
+                                                            tiny_model_dir) -> None:
+    import threading
+
+    from minivllm import LLM, SamplingParams
+
+    for name in ("spy_a", "spy_b"):
+        _write_spy_package(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spy = {n: importlib.import_module(f"{n}.activation") for n in ("spy_a", "spy_b")}
+    samplers = {n: importlib.import_module(f"{n}.sampler") for n in ("spy_a", "spy_b")}
+    allocs = {n: importlib.import_module(f"{n}.block_allocator") for n in ("spy_a", "spy_b")}
+    path = str(tiny_model_dir("llama"))
+    llms: dict[str, LLM] = {}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def build(name: str) -> None:
+        try:
+            llms[name] = LLM(path, backend=name, dtype="float32", device="cpu",
+                             max_model_len=64)
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    def flip_global() -> None:
+        # Someone else changes the process-global spec all the time: no engine may care.
+        old = backend.get_backend()
+        while not stop.is_set():
+            for spec in ("ref", "spy_b", "spy_a"):
+                backend.set_backend(spec)
+        backend.set_backend(old)
+
+    threads = [threading.Thread(target=build, args=(n,)) for n in ("spy_a", "spy_b")]
+    flipper = threading.Thread(target=flip_global)
+    flipper.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    flipper.join()
+    assert not errors, errors
+    assert len(allocs["spy_a"].MADE) == len(allocs["spy_b"].MADE) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 12))}
+    answers = {}
+    for name, other in (("spy_a", "spy_b"), ("spy_b", "spy_a")):
+        engine = llms[name].llm_engine
+        assert engine.components.activation is spy[name]
+        assert type(engine.scheduler.block_allocator) is allocs[name].BlockAllocator
+        layer = engine.executor.worker.model.model.layers[0]
+        assert layer.mlp.ops_act is spy[name]
+        assert layer.self_attn.ops_attn.__name__ == "minivllm.ref.attention"  # the fallback
+        before = (len(spy[other].CALLS), len(samplers[other].CALLS))
+        n_act, n_samp = len(spy[name].CALLS), len(samplers[name].CALLS)
+        out = llms[name].generate(prompt, params, use_tqdm=False)[0]
+        answers[name] = out.outputs[0].token_ids
+        # 2 layers x 3 forward steps through this engine's spy, none through the other's.
+        assert len(spy[name].CALLS) - n_act == 6 and len(samplers[name].CALLS) - n_samp == 3
+        assert (len(spy[other].CALLS), len(samplers[other].CALLS)) == before
+    assert answers["spy_a"] == answers["spy_b"]  # both are the ref's arithmetic

@@ -10,9 +10,13 @@ an executor once per step. Two kinds, with the same methods:
   parallelism, one process per rank, for linear layers that hold one rank's
   shards (the fast twin).
 
-ONE rule picks between them, :func:`simulates_all_ranks`, read from the
-``linear`` module the backend spec actually selects; :func:`make_executor`
-(the engine's entry point) and both executors' checks all call it. So a
+ONE rule picks between them, :func:`~minivllm.engine.ranks.simulates_all_ranks`,
+read from the ``linear`` module the engine's components actually hold;
+:func:`make_executor` (the engine's entry point) and both executors' checks
+all call it. The rules both executors share live in
+:mod:`minivllm.engine.ranks`, so neither executor module imports the other's
+(this one imports ``MultiprocExecutor`` to pick it; that one imports nothing
+from here). So a
 course package that provides only ``layernorm`` (its ``linear`` falls back to
 the ref) runs ``tensor_parallel_size=2`` in one process, as the ref does.
 
@@ -22,85 +26,33 @@ the block-table changes, which every rank's worker applies to its own table.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from minivllm import backend
+from minivllm.engine.multiproc_executor import MultiprocExecutor
+from minivllm.engine.ranks import (  # noqa: F401  (re-exported: one place to import from)
+    check_model_tp_size,
+    peek_hf_config,
+    rank_devices,
+    simulates_all_ranks,
+)
+from minivllm.engine.worker import Worker
 from minivllm.metadata import StepInput
 from minivllm.tp_shards import check_tp_size
 
 
-def simulates_all_ranks(spec: backend.BackendSpec | None = None) -> bool:
-    """Whether the ``linear`` module ``spec`` selects computes every rank in one process.
-
-    Read from the module itself (``SIMULATES_ALL_RANKS``), not from the spec's
-    name: a package without its own ``linear`` gets the ref's. A ``linear``
-    module that does not say raises ``ValueError``.
-    """
-    linear = backend.get("linear", spec)
-    flag = getattr(linear, "SIMULATES_ALL_RANKS", None)
-    if not isinstance(flag, bool):
-        raise ValueError(
-            f"linear module {linear.__name__} must set SIMULATES_ALL_RANKS = True (every rank "
-            f"in one process, like minivllm.ref.linear) or False (one process per rank, like "
-            f"minivllm.fast.linear), got {flag!r}"
-        )
-    return flag
-
-
 def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp_size: int,
-                  spec: backend.BackendSpec | None = None):
-    """The executor for ``tp_size`` ranks under ``spec`` (default: the global backend).
+                  components: backend.Components | backend.BackendSpec | None = None):
+    """The executor for ``tp_size`` ranks with ``components`` (a spec is resolved once).
 
     One in-process worker for ``tp_size=1`` or simulating linear layers; real
     worker processes otherwise (:func:`simulates_all_ranks` decides).
     """
     check_tp_size(tp_size)
-    with backend.use_backend(spec if spec is not None else backend.get_backend()):
-        if tp_size > 1 and not simulates_all_ranks():
-            from minivllm.engine.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor(model, dtype, device, tp_size)
-        return UniProcExecutor(model, dtype, device, tp_size)
-
-
-def peek_hf_config(model: str) -> Any | None:
-    """The model's HF config without loading weights (None for a ``.gguf`` file)."""
-    from minivllm.model.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if path.suffix == ".gguf":
-        return None  # the config is inside the file; the layers check tp_size
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-def check_model_tp_size(model: str, tp_size: int) -> None:
-    """Refuse a ``tp_size`` that does not split ``model`` before loading anything."""
-    check_tp_size(tp_size)
-    if tp_size == 1:
-        return  # every model runs on one rank
-    hf_config = peek_hf_config(model)
-    if hf_config is not None:  # None for a .gguf file: its layers check while loading
-        check_tp_size(tp_size, hf_config)
-
-
-def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
-    """One device per rank: all ``cpu``, or ``cuda:first .. cuda:first + tp - 1``."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return [device] * tp_size
-    if device.type != "cuda":
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
-    first, found = device.index or 0, torch.cuda.device_count()
-    if first + tp_size > found:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} needs GPUs cuda:{first}..cuda:{first + tp_size - 1}, "
-            f"but {found} are visible"
-        )
-    return [torch.device("cuda", first + r) for r in range(tp_size)]
+    components = backend.as_components(components)
+    if tp_size > 1 and not simulates_all_ranks(components):
+        return MultiprocExecutor(model, dtype, device, tp_size, components=components)
+    return UniProcExecutor(model, dtype, device, tp_size, components)
 
 
 class UniProcExecutor:
@@ -112,13 +64,15 @@ class UniProcExecutor:
         device: ``"cpu"`` or ``"cuda[:N]"``.
         tp_size: ranks the layers are built for; above 1 only with linear
             layers that simulate every rank (the ref backend).
+        components: the engine's :class:`~minivllm.backend.Components` (a
+            spec, or None for the global one, is resolved once here).
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int = 1) -> None:
-        from minivllm.engine.worker import Worker
-
-        if tp_size > 1 and not simulates_all_ranks():
+                 tp_size: int = 1,
+                 components: backend.Components | backend.BackendSpec | None = None) -> None:
+        components = backend.as_components(components)
+        if tp_size > 1 and not simulates_all_ranks(components):
             raise ValueError(
                 f"tp_size={tp_size} with real (one process per rank) linear layers needs "
                 "MultiprocExecutor; UniProcExecutor runs tp_size > 1 only with linear layers "
@@ -126,7 +80,7 @@ class UniProcExecutor:
             )
         check_model_tp_size(model, tp_size)
         self.tp_size = tp_size
-        self.worker = Worker(model, dtype, device, tp_size)
+        self.worker = Worker(model, dtype, device, tp_size, components)
         self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
 
     def bytes_per_block(self, block_size: int) -> int:

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
 from minivllm import backend
-from minivllm.config import CacheConfig, SchedulerConfig, cdiv
+from minivllm.config import CacheConfig, SchedulerConfig, _require, cdiv
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -57,6 +58,32 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def _max_model_len(requested: int | None, hf_config) -> int:
+    """``max_model_len``: the request, else the model's limit; never past a sliding window.
+
+    A model with a sliding window (Mistral 7B v0.1: 4096) attends only to its
+    last ``sliding_window`` tokens. minivllm's attention attends to the whole
+    context, which is the same thing while no sequence is longer than the
+    window, so the length is capped there (see docs/models.md).
+    """
+    max_pos = getattr(hf_config, "max_position_embeddings", 2048)
+    if requested is not None and requested > max_pos:
+        raise ValueError(f"max_model_len must be at most the model's max_position_embeddings "
+                         f"({max_pos}), got {requested}")
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", True) or not isinstance(window, int):
+        return requested or max_pos
+    if requested is not None and requested > window:
+        raise ValueError(f"max_model_len must be at most the model's sliding_window ({window}: "
+                         f"minivllm has no sliding-window attention), got {requested}")
+    if requested is None and max_pos > window:
+        logger.warning("minivllm: max_model_len capped at the model's sliding_window (%d) "
+                       "instead of max_position_embeddings (%d): minivllm attends to the "
+                       "whole context, which equals sliding-window attention only up to "
+                       "the window", window, max_pos)
+    return requested or min(max_pos, window)
 
 
 @dataclass
@@ -87,31 +114,86 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
-            )
+        """Check every field before anything is loaded (one ``_require`` rule each)."""
+        _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                 "a registered name, a model directory or a .gguf path")
+        if self.backend is not None:
+            backend.validate_spec(self.backend)
+        dtypes = ("auto", *sorted(_DTYPES))
+        _require(self.dtype in _DTYPES.values() if isinstance(self.dtype, torch.dtype)
+                 else isinstance(self.dtype, str) and self.dtype in dtypes,
+                 "dtype", self.dtype, f"one of {dtypes} or torch.float32/float16/bfloat16")
+        _require(isinstance(self.device, (str, torch.device)) and _is_device(self.device),
+                 "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+        _require(_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
+                 f"an int in [{SEED_MIN}, {SEED_MAX}] (torch.Generator's range)")
+        for name, lo, hi in _INT_RANGES:
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "num_gpu_blocks_override"):
+                continue
+            _require(_is_int(value) and lo <= value <= hi, name, value,
+                     f"an int in [{lo}, {hi}]")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
+        g = self.gpu_memory_utilization
+        _require(isinstance(g, (int, float)) and not isinstance(g, bool) and 0.0 < g <= 1.0,
+                 "gpu_memory_utilization", g, "a number in (0, 1]")
+        memory = _physical_memory()
+        _require(self.kv_cache_memory <= memory, "kv_cache_memory", self.kv_cache_memory,
+                 f"at most this machine's memory ({memory} bytes)")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            _require(self.max_num_batched_tokens >= self.max_model_len,
+                     "max_num_batched_tokens", self.max_num_batched_tokens,
+                     f">= max_model_len={self.max_model_len} when chunked prefill is off")
+
+
+#: (field, lowest, highest) of EngineConfig's int fields. The upper bounds keep
+#: a typo from allocating a block table or a pool no machine has.
+_INT_RANGES = (
+    ("block_size", 1, 256),
+    ("max_num_seqs", 1, 1 << 16),
+    ("max_num_batched_tokens", 1, 1 << 24),
+    ("max_model_len", 1, 1 << 24),
+    ("kv_cache_memory", 1, 1 << 62),
+    ("num_gpu_blocks_override", 1, 1 << 24),
+    ("tensor_parallel_size", 1, 1024),
+)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_device(device: str | torch.device) -> bool:
+    if device == "auto":
+        return True
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM on this machine (a huge number where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class _RequestState:
     """Per-request bookkeeping the engine keeps beside the scheduler's Request."""
 
     def __init__(self, prompt: str | None, detokenizer: IncrementalDetokenizer,
-                 want_logprobs: bool) -> None:
+                 sampling_params: SamplingParams) -> None:
+        want_logprobs = sampling_params.logprobs is not None
         self.prompt = prompt
         self.detokenizer = detokenizer
+        self.output_kind = sampling_params.output_kind
         self.logprobs: list[dict[int, Logprob]] | None = [] if want_logprobs else None
         self.cumulative_logprob = 0.0 if want_logprobs else None
+        self.num_sent_tokens = 0  # output tokens already handed out (DELTA)
 
 
 class LLMEngine:
@@ -119,45 +201,38 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        spec = backend.validate_spec(config.backend if config.backend is not None
-                                     else backend.get_backend())
-        self.backend_spec = spec
+        # The swap layer's choice, resolved ONCE for this engine and passed down:
+        # nothing below reads the process-global spec (see backend.Components).
+        self.components = backend.Components.resolve(config.backend)
+        self.backend_spec = self.components.spec
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        with backend.use_backend(spec):
-            self.executor = make_executor(config.model, dtype, device,
-                                          config.tensor_parallel_size, spec)
-            self.tokenizer = self.executor.tokenizer
-            hf_config = self.executor.hf_config
-            self.vocab_size = hf_config.vocab_size
-            max_pos = getattr(hf_config, "max_position_embeddings", 2048)
-            max_model_len = config.max_model_len or max_pos
-            if max_model_len > max_pos:
-                raise ValueError(
-                    f"max_model_len must be at most the model's max_position_embeddings "
-                    f"({max_pos}), got {max_model_len}"
-                )
-            num_blocks = self._num_kv_blocks(device, dtype)
-            # The KV cache and the block table live on every rank (the worker's).
-            self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
-                                        cdiv(max_model_len, config.block_size))
-            worker = getattr(self.executor, "worker", None)
-            if device.type == "cuda" and not config.enforce_eager and \
-                    config.tensor_parallel_size == 1 and worker is not None:
-                worker.capture_cuda_graphs(config.max_num_seqs, max_model_len,
-                                           config.block_size)
-            self.scheduler_config = SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            )
-            self.cache_config = CacheConfig(config.block_size, num_blocks,
-                                            config.enable_prefix_caching)
-            self.scheduler = backend.get("scheduler").Scheduler(
-                self.scheduler_config, self.cache_config
-            )
-            self.runner = ModelRunner(self.vocab_size, device, config.seed)
+        self.executor = make_executor(config.model, dtype, device,
+                                      config.tensor_parallel_size, self.components)
+        self.tokenizer = self.executor.tokenizer
+        hf_config = self.executor.hf_config
+        self.vocab_size = hf_config.vocab_size
+        max_model_len = _max_model_len(config.max_model_len, hf_config)
+        num_blocks = self._num_kv_blocks(device, dtype)
+        # The KV cache and the block table live on every rank (the worker's).
+        self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
+                                    cdiv(max_model_len, config.block_size))
+        worker = getattr(self.executor, "worker", None)
+        if device.type == "cuda" and not config.enforce_eager and \
+                config.tensor_parallel_size == 1 and worker is not None:
+            worker.capture_cuda_graphs(config.max_num_seqs, max_model_len, config.block_size)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.cache_config = CacheConfig(config.block_size, num_blocks,
+                                        config.enable_prefix_caching)
+        self.scheduler = self.components.scheduler.Scheduler(
+            self.scheduler_config, self.cache_config, components=self.components
+        )
+        self.runner = ModelRunner(self.vocab_size, device, config.seed, self.components)
         self.device, self.dtype = device, dtype
         self.eos_token_id = self.tokenizer.eos_token_id
         self.states: dict[str, _RequestState] = {}
@@ -167,7 +242,7 @@ class LLMEngine:
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
             "(max_model_len %d); backends %s",
             num_blocks, config.block_size, num_blocks * config.block_size,
-            max_model_len, backend.describe(spec),
+            max_model_len, self.components.describe(),
         )
 
     # -- set-up ---------------------------------------------------------------
@@ -175,9 +250,14 @@ class LLMEngine:
     def _num_kv_blocks(self, device: torch.device, dtype: torch.dtype) -> int:
         """Size the KV pool from the memory budget."""
         cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
         per_block = self.executor.bytes_per_block(cfg.block_size)
+        if cfg.num_gpu_blocks_override is not None:
+            need = cfg.num_gpu_blocks_override * per_block
+            have = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                    else _physical_memory())
+            _require(need <= have, "num_gpu_blocks_override", cfg.num_gpu_blocks_override,
+                     f"at most {have // per_block} here (blocks of {per_block} bytes)")
+            return cfg.num_gpu_blocks_override
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             # Our share of the GPU minus what we hold already (weights), never more than
@@ -202,25 +282,34 @@ class LLMEngine:
                         sampling_params: SamplingParams) -> None:
         """Raise ``ValueError`` if this prompt can never be served.
 
-        Checks what the engine knows before scheduling: an empty prompt, token
-        ids outside the vocabulary, and prompt + max_tokens beyond
-        max_model_len. (The scheduler also refuses a request that needs more
-        KV blocks than the whole pool.)
+        Checks what the engine knows before scheduling: the types, an empty
+        prompt, prompt + max_tokens beyond max_model_len (before looking at
+        the ids, so a huge prompt costs nothing), and token ids outside the
+        vocabulary. (The scheduler also refuses a request that needs more KV
+        blocks than the whole pool.)
         """
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, "
+                             f"got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-            )
+        # The length first: a huge prompt is refused without scanning it.
         max_len = self.scheduler_config.max_model_len
-        need = len(prompt_token_ids) + (sampling_params.max_tokens or 1)
+        max_tokens = sampling_params.max_tokens
+        need = len(prompt_token_ids) + (max_tokens if isinstance(max_tokens, int) else 1)
         if need > max_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({sampling_params.max_tokens}) must be at most max_model_len={max_len}"
+                f"({max_tokens}) must be at most max_model_len={max_len}"
             )
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad[:5]}")
 
     def add_request(
         self,
@@ -229,19 +318,31 @@ class LLMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
     ) -> str:
-        """Validate and queue one request; return its id.
+        """Validate, build and queue one request; return its id. Atomic.
 
-        Raises ``ValueError`` (and queues nothing) for an empty prompt, token
-        ids outside the vocabulary, or a request that can never fit.
+        Everything the request needs is checked and built first: its
+        sampling parameters (checked again, since a ``SamplingParams`` can be
+        changed after it was made), its prompt, its own generator (for a
+        seed), its detokenizer and stop strings. Only then does the scheduler
+        see it, as the last step that can refuse it (a request that can never
+        fit). So on any error the request is nowhere: not in the scheduler,
+        the runner or the engine's states.
         """
         self.validate_prompt(prompt_token_ids, sampling_params)
+        sampling_params.verify()
         request_id = str(next(self._ids)) if request_id is None else request_id
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id)
-        self.scheduler.add_request(request)  # raises ValueError if it can never fit
-        self.runner.add_request(request)
+        generator = self.runner.make_generator(request)
         detok = IncrementalDetokenizer.from_request(self.tokenizer, request)
-        self.states[request_id] = _RequestState(prompt, detok,
-                                                sampling_params.logprobs is not None)
+        state = _RequestState(prompt, detok, sampling_params)
+        self.scheduler.add_request(request)  # raises ValueError if it can never fit
+        # Nothing below can fail: the request is now in the engine, whole.
+        self.runner.add_request(request, generator)
+        self.states[request_id] = state
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -297,70 +398,152 @@ class LLMEngine:
         return outputs, stats
 
     def _run_step(self, scheduler_output) -> list[RequestOutput]:
-        """Prepare inputs, run the model, sample and detokenize one scheduled batch."""
+        """Prepare inputs, run the model, sample and detokenize one scheduled batch.
+
+        Isolation: a failure that belongs to one request (building its inputs,
+        sampling it, detokenizing it, matching its stop strings) ends that
+        request alone with ``finish_reason="error"`` and the exception on its
+        :class:`~minivllm.outputs.RequestOutput`; its blocks are freed and
+        the step goes on for the others. Only the forward pass (the executor,
+        every rank together) is fatal: it raises out of the step.
+        """
         with record_function("prepare_inputs"):
-            step_input, sampling_reqs = self.runner.prepare_inputs(scheduler_output)
+            step_input, sampling_reqs, failed = self.runner.prepare_inputs(scheduler_output)
+        by_id = {r.request_id: r for r in scheduler_output.scheduled_requests}
+        outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
         with record_function("forward"):
             logits = self.executor.execute_model(step_input)
-        if scheduler_output.is_empty:
-            return []  # only block-table changes this step
+        if logits is None or not sampling_reqs:
+            return outputs  # only block-table changes (or nothing left) this step
         with record_function("sample"):
-            sampler_output = self.runner.sample(logits, sampling_reqs)
-            token_ids = sampler_output.sampled_token_ids.tolist()
-        sampled = {r.request_id: t for r, t in zip(sampling_reqs, token_ids)}
+            rows = self._sample(logits, sampling_reqs, outputs)
+        sampled = {r.request_id: token for r, token, _ in rows}
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         with record_function("detokenize"):
-            return self._make_outputs(sampling_reqs, sampler_output, finished)
+            outputs += self._make_outputs(rows, finished)
+        return outputs
 
-    def _make_outputs(self, sampling_reqs, sampler_output, finished) -> list[RequestOutput]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+                outputs: list[RequestOutput]) -> list[tuple[Request, int, tuple | None]]:
+        """Sample every row; ``(request, token, logprob row)`` for each that did.
+
+        If the batched sampler raises, each row is sampled on its own (from
+        the generator states it had before) to find the requests it belongs
+        to; those are failed (their outputs appended to ``outputs``).
+        """
+        runner = self.runner
+        seeded = {r.request_id: runner.seeded_generators[r.request_id].get_state()
+                  for r in reqs if r.request_id in runner.seeded_generators}
+        try:
+            return _rows(runner.sample(logits, reqs), reqs)
+        except Exception:  # noqa: BLE001 -- find whose it is, below
+            pass
+        rows = []
+        for i, req in enumerate(reqs):
+            if req.request_id in seeded:
+                runner.seeded_generators[req.request_id].set_state(seeded[req.request_id])
+            try:
+                rows += _rows(runner.sample(logits[i : i + 1], [req]), [req])
+            except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
+                outputs.append(self._fail(req, e))
+        return rows
+
+    def _make_outputs(self, rows, finished) -> list[RequestOutput]:
+        """Detokenize, match stop strings and build each sampled request's output."""
         finished_ids = {r.request_id for r in finished}
-        logprobs = self._logprob_dicts(sampler_output, sampling_reqs)
         outputs = []
-        for i, req in enumerate(sampling_reqs):
+        for req, token, lp_row in rows:
             state = self.states.get(req.request_id)
             if state is None:
                 continue
-            token = req.output_token_ids[-1]
-            stop_str = state.detokenizer.update([token])
-            if stop_str is not None and req.request_id not in finished_ids:
-                req.stop_reason = stop_str
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                finished_ids.add(req.request_id)
-            elif stop_str is not None:
-                req.stop_reason = stop_str
-            if state.logprobs is not None and logprobs is not None:
-                state.logprobs.append(logprobs[i])
-                state.cumulative_logprob += logprobs[i][token].logprob
-            outputs.append(self._output(req, state, req.request_id in finished_ids))
+            try:
+                output = self._advance(req, state, token, lp_row, finished_ids)
+            except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
+                outputs.append(self._fail(req, e))
+                continue
+            if output is not None:
+                outputs.append(output)
             if req.request_id in finished_ids:
                 self._forget(req.request_id)
         return outputs
 
-    def _logprob_dicts(self, sampler_output, reqs) -> list[dict[int, Logprob]] | None:
-        """Per sampling row, ``{token_id: Logprob}``: the sampled token, then the top-n."""
-        lp = sampler_output.logprobs
-        if lp is None:
-            return None
-        decode = self.tokenizer.convert_ids_to_tokens
-        ids_all, vals_all = lp.logprob_token_ids.tolist(), lp.logprobs.tolist()
-        ranks = lp.selected_token_ranks.tolist()
-        dicts = []
-        for i, req in enumerate(reqs):
-            n = req.sampling_params.logprobs or 0
-            ids, vals = ids_all[i][: n + 1], vals_all[i][: n + 1]
-            d = {ids[0]: Logprob(vals[0], rank=ranks[i], decoded_token=decode(ids[0]))}
-            for k in range(1, n + 1):
-                d.setdefault(ids[k], Logprob(vals[k], rank=k, decoded_token=decode(ids[k])))
-            dicts.append(d)
-        return dicts
+    def _advance(self, req: Request, state: _RequestState, token: int, lp_row,
+                 finished_ids: set[str]) -> RequestOutput | None:
+        """One request's new token: its logprobs, text and stop strings; its output."""
+        if state.logprobs is not None and lp_row is not None:
+            logprobs = self._logprob_dict(req, *lp_row)
+            state.logprobs.append(logprobs)
+            state.cumulative_logprob += logprobs[token].logprob
+        stop_str = state.detokenizer.update([token])
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            if req.request_id not in finished_ids:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                finished_ids.add(req.request_id)
+        return self._output(req, state, req.request_id in finished_ids)
 
-    def _output(self, req: Request, state: _RequestState, finished: bool) -> RequestOutput:
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End ``req`` alone after a failure of its own: free its blocks, report ``error``."""
+        logger.warning("minivllm: request %r failed and was aborted: %s: %s",
+                       req.request_id, type(error).__name__, error)
+        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR  # also if it had finished this step
+        state = self.states.get(req.request_id)
+        first = 0
+        if state is not None and state.output_kind == RequestOutputKind.DELTA:
+            first = state.num_sent_tokens
         completion = CompletionOutput(
             index=0,
-            text=state.detokenizer.output_text,
-            token_ids=list(req.output_token_ids),
+            # A delta stream has had the text it may see; cumulative ones get it whole.
+            text="" if state is None or state.output_kind == RequestOutputKind.DELTA
+            else state.detokenizer.output_text,
+            token_ids=req.output_token_ids[first:],
+            cumulative_logprob=None if state is None else state.cumulative_logprob,
+            logprobs=None,
+            finish_reason=req.get_finished_reason(),
+        )
+        self._forget(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=None if state is None else state.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=error,
+        )
+
+    def _logprob_dict(self, req: Request, ids: list[int], vals: list[float],
+                      rank: int) -> dict[int, Logprob]:
+        """``{token_id: Logprob}`` for one row: the sampled token, then the top-n."""
+        decode = self.tokenizer.convert_ids_to_tokens
+        n = req.sampling_params.logprobs or 0
+        ids, vals = ids[: n + 1], vals[: n + 1]
+        d = {ids[0]: Logprob(vals[0], rank=rank, decoded_token=decode(ids[0]))}
+        for k in range(1, n + 1):
+            d.setdefault(ids[k], Logprob(vals[k], rank=k, decoded_token=decode(ids[k])))
+        return d
+
+    def _output(self, req: Request, state: _RequestState,
+                finished: bool) -> RequestOutput | None:
+        """This step's output for ``req`` in its ``output_kind`` (None: nothing to report)."""
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            # Only what is new; the detokenizer holds back a possible stop string.
+            first = state.num_sent_tokens
+            text = state.detokenizer.get_next_delta_text(finished=finished)
+        else:
+            first = 0
+            text = state.detokenizer.output_text
+        state.num_sent_tokens = req.num_output_tokens
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=req.output_token_ids[first:],
             cumulative_logprob=state.cumulative_logprob,
-            logprobs=None if state.logprobs is None else list(state.logprobs),
+            logprobs=None if state.logprobs is None else state.logprobs[first:],
             finish_reason=req.get_finished_reason() if finished else None,
             stop_reason=req.stop_reason if finished else None,
         )
@@ -376,3 +559,14 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any."""
         self.executor.shutdown()
+
+
+def _rows(sampler_output, reqs: list[Request]) -> list[tuple[Request, int, tuple | None]]:
+    """Per row: the request, its sampled token, and its logprob row ``(ids, vals, rank)``."""
+    tokens = sampler_output.sampled_token_ids.tolist()
+    lp = sampler_output.logprobs
+    if lp is None:
+        return [(r, t, None) for r, t in zip(reqs, tokens)]
+    rows = zip(lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+               lp.selected_token_ranks.tolist())
+    return [(r, t, row) for r, t, row in zip(reqs, tokens, rows)]

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from minivllm import backend, distributed
-from minivllm.engine.executor import check_model_tp_size, rank_devices, simulates_all_ranks
+from minivllm.engine.ranks import check_model_tp_size, rank_devices, simulates_all_ranks
 from minivllm.engine.wire import (
     CMD_BYTES_PER_BLOCK,
     CMD_EXECUTE,
@@ -99,7 +99,7 @@ def _exit_if_orphaned(parent_pid: int) -> None:
 
 
 def _worker_main(rank: int, tp_size: int, init_method: str, dist_backend: str, model: str,
-                 dtype: torch.dtype, device: torch.device, spec: Any, timeout_s: float,
+                 dtype: torch.dtype, device: torch.device, components: Any, timeout_s: float,
                  parent_pid: int, ready: Any, num_threads: int) -> None:
     """Entry point of worker process ``rank``: join the group, load the model, serve commands."""
     from minivllm.engine.worker import Worker
@@ -110,10 +110,11 @@ def _worker_main(rank: int, tp_size: int, init_method: str, dist_backend: str, m
         torch.set_num_threads(num_threads)  # share the cores with the other ranks
     else:
         torch.cuda.set_device(device)
-    backend.set_backend(spec)  # the engine's backend choice, not this process's default
     try:
         distributed.init_distributed(rank, tp_size, init_method, dist_backend, timeout_s)
-        worker = Worker(model, dtype, device, tp_size)
+        # `components` arrived pickled as the engine's decided choices and was
+        # rebuilt from them: the engine's record, not this process's default.
+        worker = Worker(model, dtype, device, tp_size, components)
     except BaseException:
         ready.put(("error", rank, traceback.format_exc()))
         raise
@@ -162,17 +163,22 @@ class MultiprocExecutor:
         tp_size: number of ranks.
         timeout_s: how long a collective waits for a peer before failing
             (default 60, or ``$MINIVLLM_TP_TIMEOUT_S``).
+        components: the engine's :class:`~minivllm.backend.Components` (a
+            spec, or None for the global one, is resolved once here); every
+            worker process rebuilds the same record from its decided choices.
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int, timeout_s: float | None = None) -> None:
+                 tp_size: int, timeout_s: float | None = None,
+                 components: backend.Components | backend.BackendSpec | None = None) -> None:
         from minivllm.engine.worker import Worker
 
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if simulates_all_ranks():
+        components = backend.as_components(components)
+        if simulates_all_ranks(components):
             raise ValueError(
-                f"the selected linear layers ({backend.get('linear').__name__}) simulate every "
+                f"the selected linear layers ({components.linear.__name__}) simulate every "
                 "rank in one process; use UniProcExecutor, or the fast linear backend for real "
                 "worker processes"
             )
@@ -198,7 +204,7 @@ class MultiprocExecutor:
                 p = ctx.Process(
                     target=_worker_main, name=f"minivllm-tp-worker-{rank}", daemon=True,
                     args=(rank, tp_size, init_method, dist_backend, model, dtype,
-                          self.devices[rank], backend.get_backend(), self.timeout_s,
+                          self.devices[rank], components, self.timeout_s,
                           os.getpid(), self._ready, threads),
                 )
                 with _main_module_hidden():
@@ -209,7 +215,7 @@ class MultiprocExecutor:
             else:
                 torch.cuda.set_device(self.devices[0])  # NCCL uses the current device
             self._join_group(init_method, dist_backend)
-            self.worker = Worker(model, dtype, self.devices[0], tp_size)
+            self.worker = Worker(model, dtype, self.devices[0], tp_size, components)
             self._wait_until_ready()
         except BaseException:
             self.shutdown()

@@ -5,7 +5,7 @@ process. With tensor parallelism each rank runs one (see
 :mod:`minivllm.engine.multiproc_executor`); each rank holds only its own
 weight shards and its own KV heads.
 
-Each worker owns its block table (``backend.get("block_table")``), as vLLM
+Each worker owns its block table (the engine's ``components.block_table``), as vLLM
 v1's GPU model runner owns its ``BlockTable``: every step it applies the
 changes the scheduler made (:class:`~minivllm.metadata.StepInput`: rows of
 finished and preempted requests dropped, new rows, appended block ids) and
@@ -35,16 +35,22 @@ class Worker:
         dtype: weight and activation dtype.
         device: ``"cpu"`` or ``"cuda[:N]"``.
         tp_size: tensor-parallel world size the layers are built for.
+        components: the engine's :class:`~minivllm.backend.Components`: the
+            model's layers and the block table come from it (a spec, or None
+            for the global one, is resolved once here).
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1,
+                 components: backend.Components | backend.BackendSpec | None = None) -> None:
         from minivllm.model.loader import load_model
 
+        self.components = backend.as_components(components)
         self.device = torch.device(device)
         self.dtype = dtype
         self.model, self.hf_config, self.tokenizer = load_model(
-            model, dtype=dtype, device=self.device, tp_size=tp_size
+            model, dtype=dtype, device=self.device, tp_size=tp_size,
+            components=self.components,
         )
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
@@ -70,7 +76,7 @@ class Worker:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
-        self.block_tables = backend.get("block_table").BlockTables(
+        self.block_tables = self.components.block_table.BlockTables(
             max_num_reqs, max_num_blocks_per_req or num_blocks, block_size, self.device
         )
 
@@ -124,7 +130,7 @@ class Worker:
 
         if self.device.type != "cuda":
             return False
-        if any(backend.resolve(c) != "fast" for c in ("attention", "cache_write")):
+        if any(self.components.impls[c] != "fast" for c in ("attention", "cache_write")):
             logger.warning("minivllm: CUDA graphs need the fast attention and cache_write; "
                            "running eagerly")
             return False

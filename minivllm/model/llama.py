@@ -30,8 +30,9 @@ Variants are switched by the HF config:
   long as sequences are no longer than the window (4096 for Mistral 7B v0.1;
   later Mistral versions set ``sliding_window`` to null).
 
-The kernels come from the swap layer (:mod:`minivllm.backend`), resolved once
-when the model is built, so ``ref`` and ``fast`` run the same model code.
+The kernels come from the swap layer (:mod:`minivllm.backend`): the engine's
+:class:`~minivllm.backend.Components` record is passed to every layer when
+the model is built, so ``ref`` and ``fast`` run the same model code.
 
 Each kernel call sits in an :func:`op_range` (``op.linear``, ``op.attention``,
 ...) and each decoder layer in a ``layer.{i}`` range; they exist only while a
@@ -70,11 +71,12 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks,
 class RMSNorm(nn.Module):
     """RMSNorm with a learned scale; the arithmetic is the backend's ``layernorm``."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.ops = backend.get("layernorm")
+        self.ops = backend.as_components(components).layernorm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -89,14 +91,15 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Holds the ``cos_sin_cache`` and applies RoPE with the backend's ``rotary``."""
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
         theta, scaling, partial = rope_params_from_config(config)
         self.rotary_dim = int(head_dim * partial)
         self.is_neox_style = True  # HF-format Llama/Qwen checkpoints "rotate half"
         cache = get_rope(head_dim, self.rotary_dim, config.max_position_embeddings, theta, scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # (max_pos, rotary_dim)
-        self.ops = backend.get("rotary")
+        self.ops = backend.as_components(components).rotary
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -109,8 +112,10 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     """qkv_proj -> [q/k norm] -> RoPE -> write K/V to the paged cache -> attend -> o_proj."""
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp_size: int) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp_size: int,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
+        components = backend.as_components(components)
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -118,7 +123,7 @@ class LlamaAttention(nn.Module):
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
 
-        linear = backend.get("linear")
+        linear = components.linear
         self.qkv_proj = linear.QKVParallelLinear(
             hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias, tp_size=tp_size
         )
@@ -132,14 +137,14 @@ class LlamaAttention(nn.Module):
             total_heads * self.head_dim, hidden, bias=o_bias, tp_size=tp_size
         )
         if config.model_type == "qwen3":
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, components)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, components)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # shared by all layers
         self.scale = self.head_dim**-0.5
-        self.ops_cache = backend.get("cache_write")
-        self.ops_attn = backend.get("attention")
+        self.ops_cache = components.cache_write
+        self.ops_attn = components.attention
 
     def forward(
         self,
@@ -174,9 +179,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with gate and up fused."""
 
-    def __init__(self, config: Any, tp_size: int) -> None:
+    def __init__(self, config: Any, tp_size: int,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
-        linear = backend.get("linear")
+        components = backend.as_components(components)
+        linear = components.linear
         inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = linear.MergedColumnParallelLinear(
             config.hidden_size, [inter, inter], bias=bias, tp_size=tp_size
@@ -184,7 +191,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = linear.RowParallelLinear(
             inter, config.hidden_size, bias=bias, tp_size=tp_size
         )
-        self.ops_act = backend.get("activation")
+        self.ops_act = components.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         with op_range("op.linear"):
@@ -198,12 +205,15 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each added to the residual stream."""
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp_size: int) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp_size: int,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb, tp_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp_size)
+        components = backend.as_components(components)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, components)
+        self.self_attn = LlamaAttention(config, rotary_emb, tp_size, components)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, components)
+        self.mlp = LlamaMLP(config, tp_size, components)
 
     def forward(
         self,
@@ -226,21 +236,23 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers, and the final norm (no LM head)."""
 
-    def __init__(self, config: Any, tp_size: int) -> None:
+    def __init__(self, config: Any, tp_size: int,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
-        linear = backend.get("linear")
+        components = backend.as_components(components)
+        linear = components.linear
         self.embed_tokens = linear.VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size=tp_size
         )
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.rotary_emb = RotaryEmbedding(config, head_dim, components)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, tp_size)
+            LlamaDecoderLayer(config, self.rotary_emb, tp_size, components)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, components)
 
     def forward(
         self,
@@ -265,15 +277,19 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the HF ``PretrainedConfig`` (``transformers.AutoConfig``).
         tp_size: tensor-parallel world size, passed to every linear layer.
+        components: the engine's :class:`~minivllm.backend.Components`, passed
+            to every layer; None resolves the global spec once, here.
     """
 
-    def __init__(self, config: Any, tp_size: int = 1) -> None:
+    def __init__(self, config: Any, tp_size: int = 1,
+                 components: backend.Components | None = None) -> None:
         super().__init__()
+        components = backend.as_components(components)
         self.config = config
         self.tp_size = tp_size
-        self.model = LlamaModel(config, tp_size)
+        self.model = LlamaModel(config, tp_size, components)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        linear = backend.get("linear")
+        linear = components.linear
         self.lm_head = linear.ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one shared matrix

@@ -86,15 +86,19 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
 
 def build_model(
     hf_config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    tp_size: int = 1,
+    tp_size: int = 1, components: Any = None,
 ) -> LlamaForCausalLM:
-    """An uninitialised model for ``hf_config``, with parameters in ``dtype`` on ``device``."""
+    """An uninitialised model for ``hf_config``, with parameters in ``dtype`` on ``device``.
+
+    ``components`` (a :class:`~minivllm.backend.Components`) serve its layers;
+    None resolves the global backend spec once.
+    """
     cls = get_model_class(hf_config)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # create parameters in dtype directly (no fp32 detour)
     try:
         with torch.device(device):
-            model = cls(hf_config, tp_size=tp_size)
+            model = cls(hf_config, tp_size=tp_size, components=components)
     finally:
         torch.set_default_dtype(old_dtype)
     # The RoPE cache is float32 by design, whatever the model dtype.
@@ -107,6 +111,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tp_size: int = 1,
+    components: Any = None,
 ) -> tuple[LlamaForCausalLM, Any, Any]:
     """Load ``model`` and return ``(model_module, hf_config, tokenizer)``.
 
@@ -119,6 +124,8 @@ def load_model(
         dtype: parameter dtype (``torch.float32``, ``torch.float16``, ``torch.bfloat16``).
         device: where the parameters live.
         tp_size: tensor-parallel world size passed to the model's linear layers.
+        components: the engine's :class:`~minivllm.backend.Components` (None:
+            the global backend spec, resolved once).
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
@@ -135,6 +142,6 @@ def load_model(
         has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
         tokenizer = (AutoTokenizer.from_pretrained(path, local_files_only=True)
                      if has_tokenizer else None)
-    module = build_model(hf_config, dtype, device, tp_size)
+    module = build_model(hf_config, dtype, device, tp_size, components)
     module.load_weights(weights)
     return module, hf_config, tokenizer

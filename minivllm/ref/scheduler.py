@@ -50,12 +50,13 @@ class Scheduler:
         scheduler_config: budget, ``max_num_seqs``, ``max_model_len``, chunking.
         cache_config: ``num_blocks`` (the pool), ``block_size``, prefix caching.
         kv_cache_manager_cls: the ``KVCacheManager`` class to build on the
-            block allocator; None takes the one the swap layer selects
-            (``backend.get("kv_cache_manager")``).
+            block allocator; None takes ``components.kv_cache_manager``'s.
+        components: the engine's :class:`~minivllm.backend.Components`, which
+            provide the block allocator and the KV cache manager; None
+            resolves the global backend spec once, here (tests build
+            schedulers directly).
 
-    The block allocator is whichever implementation the swap layer selects
-    when the scheduler is built (``backend.get("block_allocator")``). The
-    scheduler holds no block *table*: each step it reports the block ids it
+    The scheduler holds no block *table*: each step it reports the block ids it
     handed out (``SchedulerOutput.new_block_ids``), and the worker that owns
     the table on the model's device applies them.
     """
@@ -65,6 +66,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_manager_cls: type | None = None,
+        components: backend.Components | None = None,
     ) -> None:
         if cache_config.num_blocks < 1:
             raise ValueError(f"cache_config.num_blocks must be >= 1, got {cache_config.num_blocks}")
@@ -72,11 +74,12 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
-        self.block_allocator = backend.get("block_allocator").BlockAllocator(
+        components = backend.as_components(components)
+        self.block_allocator = components.block_allocator.BlockAllocator(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         if kv_cache_manager_cls is None:
-            kv_cache_manager_cls = backend.get("kv_cache_manager").KVCacheManager
+            kv_cache_manager_cls = components.kv_cache_manager.KVCacheManager
         self.kv_cache_manager = kv_cache_manager_cls(self.block_allocator)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -271,11 +274,20 @@ class Scheduler:
                 continue  # a prefill chunk that is not the last one
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len):
-                self.running.remove(request)
                 self._free_request(request)
                 finished.append(request)
+        self._remove_from_running(finished)
         return finished
         # END SOLUTION
+
+    def _remove_from_running(self, finished: list[Request]) -> None:
+        """Take requests that finished this step out of ``running``, keeping its order.
+
+        The one thing the fast twin changes (one pass instead of one
+        ``list.remove`` per finished request).
+        """
+        for request in finished:
+            self.running.remove(request)
 
     # -- queries ------------------------------------------------------------------------
 

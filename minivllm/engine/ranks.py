@@ -1,0 +1,79 @@
+"""The rules both executors share: which process computes which rank, on which device.
+
+:func:`simulates_all_ranks` is the ONE rule that picks the executor (read
+from the ``linear`` module the engine's components actually hold);
+:func:`check_model_tp_size` refuses a size the model cannot split before
+anything is loaded; :func:`rank_devices` places the ranks. They live here,
+apart from both executors, so that :mod:`minivllm.engine.executor` and
+:mod:`minivllm.engine.multiproc_executor` import them without importing
+each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minivllm import backend
+from minivllm.tp_shards import check_tp_size
+
+
+def simulates_all_ranks(
+    components: backend.Components | backend.BackendSpec | None = None,
+) -> bool:
+    """Whether the ``linear`` module ``components`` select computes every rank in one process.
+
+    ``components``: an engine's :class:`~minivllm.backend.Components`, or a
+    spec to resolve (None: the global one). Read from the module itself
+    (``SIMULATES_ALL_RANKS``), not from the spec's name: a package without its
+    own ``linear`` gets the ref's. A ``linear`` module that does not say
+    raises ``ValueError``.
+    """
+    linear = backend.as_components(components).linear
+    flag = getattr(linear, "SIMULATES_ALL_RANKS", None)
+    if not isinstance(flag, bool):
+        raise ValueError(
+            f"linear module {linear.__name__} must set SIMULATES_ALL_RANKS = True (every rank "
+            f"in one process, like minivllm.ref.linear) or False (one process per rank, like "
+            f"minivllm.fast.linear), got {flag!r}"
+        )
+    return flag
+
+
+def peek_hf_config(model: str) -> Any | None:
+    """The model's HF config without loading weights (None for a ``.gguf`` file)."""
+    from minivllm.model.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        return None  # the config is inside the file; the layers check tp_size
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def check_model_tp_size(model: str, tp_size: int) -> None:
+    """Refuse a ``tp_size`` that does not split ``model`` before loading anything."""
+    check_tp_size(tp_size)
+    if tp_size == 1:
+        return  # every model runs on one rank
+    hf_config = peek_hf_config(model)
+    if hf_config is not None:  # None for a .gguf file: its layers check while loading
+        check_tp_size(tp_size, hf_config)
+
+
+def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
+    """One device per rank: all ``cpu``, or ``cuda:first .. cuda:first + tp - 1``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [device] * tp_size
+    if device.type != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
+    first, found = device.index or 0, torch.cuda.device_count()
+    if first + tp_size > found:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs GPUs cuda:{first}..cuda:{first + tp_size - 1}, "
+            f"but {found} are visible"
+        )
+    return [torch.device("cuda", first + r) for r in range(tp_size)]
