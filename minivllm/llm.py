@@ -14,6 +14,7 @@ between the two. ``backend=`` picks the implementations (see
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -128,6 +129,14 @@ class LLM:
                     f"sampling_params must be one SamplingParams or one per prompt "
                     f"({len(prompts)}), got {len(params)}"
                 )
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
+                                f"got {type(sp).__name__}")
+        # generate() returns each request's final output, so the engine builds no
+        # per-step copies (vLLM's LLM does the same).
+        params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                  if sp.output_kind != RequestOutputKind.FINAL_ONLY else sp for sp in params]
         engine = self.llm_engine
         encoded = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
         self._validate(encoded, params)

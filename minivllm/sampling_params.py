@@ -8,12 +8,29 @@ value and the range allowed.
 
 from __future__ import annotations
 
+import enum
 import warnings
 from dataclasses import dataclass, field
 
 _SAMPLING_EPS = 1e-5
 #: Temperatures in (0, 1e-2) make logits / T overflow; vLLM raises them to 1e-2.
 _MAX_TEMP = 1e-2
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each :class:`~minivllm.outputs.RequestOutput` of a request holds (as vLLM).
+
+    - ``CUMULATIVE``: everything so far (text, token ids, logprobs), every step.
+    - ``DELTA``: only what is new since the request's previous output; the
+      text holds back what may still become a stop string, so concatenating
+      the deltas gives exactly the final text. ``cumulative_logprob`` stays
+      cumulative. This is what streaming wants: O(new tokens) per step.
+    - ``FINAL_ONLY``: one output, when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -45,6 +62,9 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return for each sampled
             token (the sampled token's own is always included); ``None`` = off.
         skip_special_tokens: drop special tokens from the output text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        output_kind: a :class:`RequestOutputKind`: cumulative outputs (the
+            default), deltas, or the final output only.
     """
 
     n: int = 1
@@ -64,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +100,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if type(self.output_kind) is int and self.output_kind in set(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._verify()
         if 0.0 < self.temperature < _MAX_TEMP:
             warnings.warn(
@@ -134,3 +157,5 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative ints")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", f"a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})")

@@ -30,7 +30,7 @@ from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -107,11 +107,14 @@ class _RequestState:
     """Per-request bookkeeping the engine keeps beside the scheduler's Request."""
 
     def __init__(self, prompt: str | None, detokenizer: IncrementalDetokenizer,
-                 want_logprobs: bool) -> None:
+                 sampling_params: SamplingParams) -> None:
+        want_logprobs = sampling_params.logprobs is not None
         self.prompt = prompt
         self.detokenizer = detokenizer
+        self.output_kind = sampling_params.output_kind
         self.logprobs: list[dict[int, Logprob]] | None = [] if want_logprobs else None
         self.cumulative_logprob = 0.0 if want_logprobs else None
+        self.num_sent_tokens = 0  # output tokens already handed out (DELTA)
 
 
 class LLMEngine:
@@ -209,17 +212,18 @@ class LLMEngine:
         """
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-            )
+        # The length first: a huge prompt is refused without scanning it.
         max_len = self.scheduler_config.max_model_len
         need = len(prompt_token_ids) + (sampling_params.max_tokens or 1)
         if need > max_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                 f"({sampling_params.max_tokens}) must be at most max_model_len={max_len}"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
             )
 
     def add_request(
@@ -240,8 +244,7 @@ class LLMEngine:
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         self.runner.add_request(request)
         detok = IncrementalDetokenizer.from_request(self.tokenizer, request)
-        self.states[request_id] = _RequestState(prompt, detok,
-                                                sampling_params.logprobs is not None)
+        self.states[request_id] = _RequestState(prompt, detok, sampling_params)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -331,7 +334,9 @@ class LLMEngine:
             if state.logprobs is not None and logprobs is not None:
                 state.logprobs.append(logprobs[i])
                 state.cumulative_logprob += logprobs[i][token].logprob
-            outputs.append(self._output(req, state, req.request_id in finished_ids))
+            output = self._output(req, state, req.request_id in finished_ids)
+            if output is not None:
+                outputs.append(output)
             if req.request_id in finished_ids:
                 self._forget(req.request_id)
         return outputs
@@ -354,13 +359,26 @@ class LLMEngine:
             dicts.append(d)
         return dicts
 
-    def _output(self, req: Request, state: _RequestState, finished: bool) -> RequestOutput:
+    def _output(self, req: Request, state: _RequestState,
+                finished: bool) -> RequestOutput | None:
+        """This step's output for ``req`` in its ``output_kind`` (None: nothing to report)."""
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            # Only what is new; the detokenizer holds back a possible stop string.
+            first = state.num_sent_tokens
+            text = state.detokenizer.get_next_delta_text(finished=finished)
+        else:
+            first = 0
+            text = state.detokenizer.output_text
+        state.num_sent_tokens = req.num_output_tokens
         completion = CompletionOutput(
             index=0,
-            text=state.detokenizer.output_text,
-            token_ids=list(req.output_token_ids),
+            text=text,
+            token_ids=req.output_token_ids[first:],
             cumulative_logprob=state.cumulative_logprob,
-            logprobs=None if state.logprobs is None else list(state.logprobs),
+            logprobs=None if state.logprobs is None else state.logprobs[first:],
             finish_reason=req.get_finished_reason() if finished else None,
             stop_reason=req.stop_reason if finished else None,
         )
