@@ -12,7 +12,7 @@ import pytest
 from server_utils import offline_backend
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, held_back
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 
 
@@ -28,13 +28,6 @@ def make(path, spec, **kw) -> LLMEngine:
 
 def run(coro, timeout: float = 120):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def test_held_back_is_the_longest_tail_that_may_become_a_stop_string() -> None:
-    assert held_back("Paris.\n\nTh", ["\n\nThe"]) == 4
-    assert held_back("Paris.", ["\n\nThe"]) == 0
-    assert held_back("abcab", ["abcabd", "b"]) == 5
-    assert held_back("xyz", []) == 0
 
 
 def test_concurrent_deltas_join_into_the_offline_text(tiny_model_dir, spec) -> None:
@@ -250,3 +243,34 @@ def test_closing_the_generator_aborts_at_once(tiny_model_dir, spec) -> None:
             await llm.shutdown()
 
     run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_its_deltas_merged(tiny_model_dir, spec) -> None:
+    # The stream keeps one pending item however many steps ran unread, and
+    # what it hands over joins into the offline text and tokens.
+    path = tiny_model_dir("llama")
+    text = LLM(str(path), backend=spec, device="cpu", max_model_len=256).generate(
+        "slow reader", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    stop = text[10:12]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                            logprobs=1)
+    want = LLM(str(path), backend=spec, device="cpu", max_model_len=256).generate(
+        "slow reader", params, use_tqdm=False)[0].outputs[0]
+    llm = AsyncLLM(make(path, spec))
+
+    async def main():
+        try:
+            stream = await llm.add_request("slow reader", params)
+            while llm.num_in_flight:  # read nothing until the request has finished
+                await asyncio.sleep(0.05)
+            return [d async for d in llm.stream_outputs(stream)]
+        finally:
+            await llm.shutdown()
+
+    deltas = run(main())
+    assert len(deltas) == 1
+    d = deltas[0]
+    assert d.text == want.text and d.token_ids == want.token_ids
+    assert d.finished and d.finish_reason == "stop" and d.stop_reason == stop
+    assert len(d.logprobs) == len(want.token_ids) == d.num_output_tokens

@@ -184,7 +184,7 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(stop=["x" * 257]), 400, "--max-stop-string-chars"),
     (dict(extra_body={"stop_token_ids": list(range(17))}), 400, "--max-stop-strings"),
     (dict(prompt="y" * 5000), 400, "--max-prompt-chars"),
-    (dict(prompt=list(range(MAX_MODEL_LEN + 1))), 400, "prompt has 257 tokens"),
+    (dict(prompt=list(range(MAX_MODEL_LEN + 1))), 400, "257 tokens"),
     (dict(model="no-such-model"), 404, "no-such-model"),
 ]
 

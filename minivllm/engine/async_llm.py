@@ -27,9 +27,13 @@ remembers its own loop, so one ``AsyncLLM`` serves from any event loop (two
 - **One add, many requests.** :meth:`AsyncLLM.add_requests` queues a whole
   batch (an HTTP request's prompts x ``n``) as one command, applied between two
   steps: all of them are scheduled together, and if one is refused none stays.
-- **Deltas.** Each output carries the text added since the last one. Text that
-  may still turn into a stop string is held back (as the detokenizer does for
-  the chat REPL), so concatenating the deltas gives exactly the final text.
+- **Deltas.** Every request asks the engine for ``RequestOutputKind.DELTA``
+  outputs: each carries only the text, token ids and logprobs added since the
+  last one (the detokenizer holds back text that may still become a stop
+  string, so concatenating the deltas gives exactly the final text). A step
+  costs O(new tokens) per request however long it has run, and a consumer
+  that falls behind gets its unread deltas merged into one
+  (:class:`RequestStream`), so its buffer holds one item, never one per step.
 - **Abort.** ``abort(request_id)`` (or a consumer that stops iterating, e.g. a
   client that hung up) sends the id to the engine thread, which frees its KV
   blocks before its next step.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -54,7 +59,7 @@ from dataclasses import dataclass, field
 
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 from minivllm.outputs import Logprob, RequestOutput, StepStats
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -107,14 +112,6 @@ class StreamDelta:
     num_prompt_tokens: int
     num_output_tokens: int
 
-    def merged(self, later: StreamDelta) -> StreamDelta:
-        """This delta followed by ``later``, as one (for a consumer that fell behind)."""
-        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return StreamDelta(self.request_id, self.text + later.text,
-                           self.token_ids + later.token_ids, logprobs, later.finished,
-                           later.finish_reason, later.stop_reason, later.num_prompt_tokens,
-                           later.num_output_tokens)
-
 
 @dataclass
 class IterationStats:
@@ -134,19 +131,6 @@ class IterationStats:
 StatLogger = Callable[[StepStats, IterationStats], None]
 
 
-def held_back(text: str, stop: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string.
-
-    That tail must not be streamed yet: the next token may complete the stop
-    string, and the engine then cuts it from the text.
-    """
-    longest = max((len(s) for s in stop), default=1) - 1
-    for n in range(min(longest, len(text)), 0, -1):
-        if any(s.startswith(text[-n:]) for s in stop):
-            return n
-    return 0
-
-
 class RequestStream:
     """One request in flight: where its deltas wait for their consumer.
 
@@ -158,44 +142,46 @@ class RequestStream:
     engine O(new tokens) per step however far behind it is.
     """
 
-    def __init__(self, request_id: str, params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.stop = params.stop_strings
         self.arrival = time.monotonic()
         # Engine-thread side: what was handed over, and when.
         self.last_token_time: float | None = None
-        self.num_text_sent = 0
         self.num_tokens_sent = 0
         # Event-loop side: the merged deltas not yet read, or the error to raise.
         self._pending: StreamDelta | BaseException | None = None
+        self._pending_text: list[str] = []
         self._ready = asyncio.Event()
 
     def delta(self, out: RequestOutput) -> StreamDelta:
-        """(engine thread) The part of the cumulative ``out`` not yet handed over."""
+        """(engine thread) The engine's DELTA output ``out`` as a :class:`StreamDelta`."""
         comp = out.outputs[0]
-        end = len(comp.text) if out.finished else len(comp.text) - held_back(comp.text, self.stop)
-        text = comp.text[self.num_text_sent:end]
-        self.num_text_sent = max(self.num_text_sent, end)
-        sent, now = self.num_tokens_sent, len(comp.token_ids)
-        logprobs = None if comp.logprobs is None else comp.logprobs[sent:now]
-        new_ids = comp.token_ids[sent:now]
-        self.num_tokens_sent = now
-        return StreamDelta(out.request_id, text, new_ids, logprobs, out.finished,
-                           comp.finish_reason, comp.stop_reason, len(out.prompt_token_ids), now)
+        self.num_tokens_sent += len(comp.token_ids)
+        return StreamDelta(out.request_id, comp.text, list(comp.token_ids), comp.logprobs,
+                           out.finished, comp.finish_reason, comp.stop_reason,
+                           len(out.prompt_token_ids), self.num_tokens_sent)
 
     def put(self, item: StreamDelta | BaseException) -> None:
-        """(its event loop) Add a delta (merged into any unread one) or an error."""
+        """(its event loop) Add a delta, appended to any unread one, or an error."""
         if isinstance(self._pending, BaseException):
             return  # already failed: nothing after the error counts
         if isinstance(self._pending, StreamDelta) and isinstance(item, StreamDelta):
-            item = self._pending.merged(item)
-        self._pending = item
+            self._pending_text.append(item.text)  # joined once, in get(): O(new) here
+            self._pending.token_ids += item.token_ids
+            if self._pending.logprobs is not None:
+                self._pending.logprobs += item.logprobs or []
+            self._pending.finished, self._pending.finish_reason = item.finished, \
+                item.finish_reason
+            self._pending.stop_reason = item.stop_reason
+            self._pending.num_output_tokens = item.num_output_tokens
+        else:
+            self._pending = item
+            self._pending_text = [item.text] if isinstance(item, StreamDelta) else []
         self._ready.set()
 
     async def get(self) -> StreamDelta:
-        """(its event loop) The next delta, merged over every step since the last call."""
+        """(its event loop) The next delta: every step's since the previous call, merged."""
         await self._ready.wait()
         self._ready.clear()
         item, self._pending = self._pending, None
@@ -203,6 +189,7 @@ class RequestStream:
             self._pending = item  # every later call raises it too
             self._ready.set()
             raise item
+        item.text = "".join(self._pending_text)
         return item
 
 
@@ -322,7 +309,9 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             text, ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) \
                 else (None, list(prompt))
-            stream = RequestStream(request_id, params, loop)
+            if params.output_kind != RequestOutputKind.DELTA:  # a copy: the caller's stays
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+            stream = RequestStream(request_id, loop)
             batch.append((text, ids, params, stream))
             streams.append(stream)
         self._ensure_thread()

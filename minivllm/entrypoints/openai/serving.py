@@ -91,10 +91,8 @@ class OpenAIServing:
                                 f"{self.model_name!r} (see GET /v1/models)", "model")
 
     def check_token_ids(self, ids: list[int], field_name: str, max_len: int) -> None:
-        """400 unless ``ids`` is at most ``max_len`` ids, each in the vocabulary.
-
-        The length is checked first, so an over-long list costs no scan.
-        """
+        """400 unless ``ids`` is at most ``max_len`` ids, each in the vocabulary
+        (the length first, so an over-long list costs no scan)."""
         if len(ids) > max_len:
             raise APIError(400, f"{field_name} has {len(ids)} tokens, more than {max_len}",
                            field_name)
@@ -139,13 +137,8 @@ class OpenAIServing:
         if len(texts) * req.n > MAX_CHOICES:
             raise APIError(400, f"len(prompt) * n must be at most {MAX_CHOICES}, got "
                                 f"{len(texts) * req.n}", "n")
-        prompts = []
-        for p in texts:
-            if isinstance(p, list):
-                self.check_token_ids(p, "prompt", self.llm.max_model_len)
-                prompts.append(p)
-            else:
-                prompts.append(await self.encode(p))
+        # Token-id prompts are checked by the engine (length first, then the vocabulary).
+        prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=self.model_name,
                     top_n=req.logprobs or 0)
         return await self._create(req, prompts, kind)
