@@ -22,7 +22,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestFailedError, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -94,10 +94,15 @@ class LLM:
             return prompt, self.get_tokenizer().encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError(f"prompts[{index}]: prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and "prompt" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompts[{index}]: prompt must be a string, "
+                                 f"got {type(text).__name__}")
+            return text, list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], self.get_tokenizer().encode(prompt["prompt"])
         raise ValueError(
             f"prompts[{index}] must be a string or a dict with 'prompt' or "
@@ -114,15 +119,26 @@ class LLM:
 
         Every prompt is validated before any is queued, so a bad one raises
         ``ValueError`` and leaves the engine as it was.
+
+        A failure that belongs to one request while it is served (sampling
+        it, detokenizing it, ...) ends that request alone; the others finish,
+        and then :class:`~minivllm.outputs.RequestFailedError` is raised,
+        naming the failed prompt and holding every output (``.outputs``).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of them, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                                 f"got {type(sampling_params).__name__}")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(
@@ -131,7 +147,7 @@ class LLM:
                 )
         for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, "
                                 f"got {type(sp).__name__}")
         # generate() returns each request's final output, so the engine builds no
         # per-step copies (vLLM's LLM does the same).
@@ -181,7 +197,12 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [results[i] for i in ids]
+        outputs = [results[i] for i in ids]
+        failed = [(k, o.request_id, o.error) for k, o in enumerate(outputs)
+                  if o.error is not None]
+        if failed:
+            raise RequestFailedError(failed, outputs) from failed[0][2]
+        return outputs
 
     def chat(
         self,

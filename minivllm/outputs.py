@@ -7,7 +7,8 @@ so code that reads vLLM's results reads ours::
     out.outputs[0].text                 # the generated text
     out.outputs[0].token_ids            # the generated token ids
     out.outputs[0].logprobs[3]          # {token_id: Logprob, ...} for the 4th token
-    out.outputs[0].finish_reason        # "stop" | "length" | "abort" | None
+    out.outputs[0].finish_reason        # "stop" | "length" | "abort" | "error" | None
+    out.error                           # the exception that ended it, if "error"
 
 Logprobs (when ``SamplingParams.logprobs`` is set) are, as in vLLM v1, the
 log-softmax of the model's *raw* logits, before temperature, penalties and
@@ -57,8 +58,9 @@ class CompletionOutput:
             logprobs were not requested.
         logprobs: per generated token, ``{token_id: Logprob}``; None when
             logprobs were not requested.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, or None while
-            the request is still running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` (a
+            failure of this request alone, see ``RequestOutput.error``), or
+            None while the request is still running.
         stop_reason: the stop string or stop token id that ended it; None for
             EOS, length, or a running request.
     """
@@ -124,6 +126,11 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timestamps, when the engine records them.
         prompt_logprobs: always None here (minivllm does not compute them).
+        error: the exception that ended this request, when a failure that
+            belongs to it alone (preparing its inputs, sampling it,
+            detokenizing it, matching its stop strings) aborted it; then
+            ``finished`` is True and ``finish_reason`` is ``"error"``. The
+            engine kept serving every other request.
     """
 
     request_id: str
@@ -134,13 +141,38 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
+    error: BaseException | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
+        err = "" if self.error is None else f", error={self.error!r}"
         return (
             f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
             f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
-            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
+            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}{err})"
         )
+
+
+class RequestFailedError(RuntimeError):
+    """``LLM.generate``: some requests failed on their own; the others finished.
+
+    Raised after every other request of the call has finished, so their work
+    is not lost: ``outputs`` holds one :class:`RequestOutput` per prompt, in
+    order (the failed ones with ``error`` set). The first failure is the
+    ``__cause__``.
+
+    Attributes:
+        failed: ``(prompt index, request id, exception)`` per failed request.
+        outputs: every prompt's final output, in prompt order.
+    """
+
+    def __init__(self, failed: list[tuple[int, str, BaseException]],
+                 outputs: list[RequestOutput]) -> None:
+        index, request_id, error = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        super().__init__(f"prompts[{index}] (request {request_id!r}) failed: "
+                         f"{type(error).__name__}: {error}{more}")
+        self.failed = failed
+        self.outputs = outputs
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
-    FINISHED_ABORTED = enum.auto()  # aborted by the user or by an error
+    FINISHED_ABORTED = enum.auto()  # aborted by the user (or a client that hung up)
+    FINISHED_ERROR = enum.auto()  # a failure that belongs to this request alone
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -38,6 +39,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -9,6 +9,7 @@ value and the range allowed.
 from __future__ import annotations
 
 import enum
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -92,17 +93,23 @@ class SamplingParams:
             self._stop = []
         elif isinstance(self.stop, str):
             self._stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self._stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string, a list of strings or None, "
+                             f"got {self.stop!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        else:
+        elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
-        if self.top_k == -1:
+        else:
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, "
+                             f"got {self.stop_token_ids!r}")
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
         if type(self.output_kind) is int and self.output_kind in set(RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
-        self._verify()
+        self.verify()
         if 0.0 < self.temperature < _MAX_TEMP:
             warnings.warn(
                 f"temperature {self.temperature} is below {_MAX_TEMP}, which may overflow "
@@ -121,22 +128,43 @@ class SamplingParams:
         """True when ``temperature`` is 0: the argmax token is taken."""
         return self.temperature < _SAMPLING_EPS
 
-    def _verify(self) -> None:
+    def verify(self) -> None:
+        """Raise ``ValueError`` naming the field if any value is out of range.
+
+        Types first (ints are not bools, floats are finite), then ranges. Run
+        when the object is made, and again by the engine when a request is
+        added (a ``SamplingParams`` is mutable).
+        """
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise bad(name, "a finite number")
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL_FIELDS:
+                continue
+            if not _is_int(v) or not _INT64_MIN <= v <= _INT64_MAX:
+                raise bad(name, "an int" + (" or None" if name in _OPTIONAL_FIELDS else "")
+                          + f" in [{_INT64_MIN}, {_INT64_MAX}]")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
         if self.n != 1:
             raise bad("n", "1 (parallel sampling is not supported)")
         if not 0.0 <= self.temperature:
             raise bad("temperature", "non-negative (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise bad("top_k", "0 or -1 (disabled), or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an int or None")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"an int in [{SEED_MIN}, {SEED_MAX}] (torch.Generator's range) "
+                              "or None")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -155,7 +183,27 @@ class SamplingParams:
             raise bad("logprobs", "in [0, 20] or None")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative ints")
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise bad("output_kind", f"a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})")
+            kinds = ", ".join(k.name for k in RequestOutputKind)
+            raise bad("output_kind", f"a RequestOutputKind ({kinds})")
+
+
+#: ``torch.Generator.manual_seed`` accepts exactly these (a negative seed wraps to
+#: its unsigned 64-bit value); outside, it raises "Overflow when unpacking long long".
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs")
+_OPTIONAL_FIELDS = ("max_tokens", "logprobs")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -72,6 +72,31 @@ BAD_VALUES = [
     ("stop", ["ok", 3]),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [1, "2"]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", "12"),
+    ("stop", {"a": 1}),
+    # Non-finite floats in every float field.
+    *[(f, v) for f in ("temperature", "top_p", "min_p", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty")
+      for v in (math.inf, -math.inf, math.nan)],
+    # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1] only.
+    ("seed", 2**70),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+    ("seed", True),
+    ("seed", "7"),
+    ("top_k", 2**64),
+    ("top_k", True),
+    ("max_tokens", 2**63),
+    ("max_tokens", 3.0),
+    ("min_tokens", 1.5),
+    ("logprobs", True),
+    ("n", "1"),
+    ("temperature", "0.5"),
+    ("temperature", True),
+    ("ignore_eos", 1),
+    ("skip_special_tokens", None),
+    ("include_stop_str_in_output", "yes"),
 ]
 
 
@@ -100,6 +125,9 @@ GOOD_VALUES = [
     ("logprobs", 0),
     ("logprobs", 20),
     ("seed", 0),
+    ("seed", 2**64 - 1),
+    ("seed", -(2**63)),
+    ("temperature", 1),
     ("stop", "###"),
 ]
 
@@ -117,3 +145,10 @@ def test_normalisations():
     with pytest.warns(UserWarning, match="temperature"):
         p = SamplingParams(temperature=1e-4)  # vLLM raises tiny temperatures to 1e-2
     assert p.temperature == pytest.approx(1e-2) and not p.greedy
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), -1, 0, 2**63])
+def test_every_accepted_seed_seeds_a_torch_generator(seed):
+    import torch
+
+    torch.Generator().manual_seed(SamplingParams(seed=seed).seed)

@@ -205,26 +205,34 @@ class LLMEngine:
                         sampling_params: SamplingParams) -> None:
         """Raise ``ValueError`` if this prompt can never be served.
 
-        Checks what the engine knows before scheduling: an empty prompt, token
-        ids outside the vocabulary, and prompt + max_tokens beyond
-        max_model_len. (The scheduler also refuses a request that needs more
-        KV blocks than the whole pool.)
+        Checks what the engine knows before scheduling: the types, an empty
+        prompt, prompt + max_tokens beyond max_model_len (before looking at
+        the ids, so a huge prompt costs nothing), and token ids outside the
+        vocabulary. (The scheduler also refuses a request that needs more KV
+        blocks than the whole pool.)
         """
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, "
+                             f"got {type(prompt_token_ids).__name__}")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
         # The length first: a huge prompt is refused without scanning it.
         max_len = self.scheduler_config.max_model_len
-        need = len(prompt_token_ids) + (sampling_params.max_tokens or 1)
+        max_tokens = sampling_params.max_tokens
+        need = len(prompt_token_ids) + (max_tokens if isinstance(max_tokens, int) else 1)
         if need > max_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({sampling_params.max_tokens}) must be at most max_model_len={max_len}"
+                f"({max_tokens}) must be at most max_model_len={max_len}"
             )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(
-                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-            )
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad[:5]}")
 
     def add_request(
         self,
@@ -233,18 +241,31 @@ class LLMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
     ) -> str:
-        """Validate and queue one request; return its id.
+        """Validate, build and queue one request; return its id. Atomic.
 
-        Raises ``ValueError`` (and queues nothing) for an empty prompt, token
-        ids outside the vocabulary, or a request that can never fit.
+        Everything the request needs is checked and built first: its
+        sampling parameters (checked again, since a ``SamplingParams`` can be
+        changed after it was made), its prompt, its own generator (for a
+        seed), its detokenizer and stop strings. Only then does the scheduler
+        see it, as the last step that can refuse it (a request that can never
+        fit). So on any error the request is nowhere: not in the scheduler,
+        the runner or the engine's states.
         """
         self.validate_prompt(prompt_token_ids, sampling_params)
+        sampling_params.verify()
         request_id = str(next(self._ids)) if request_id is None else request_id
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id)
-        self.scheduler.add_request(request)  # raises ValueError if it can never fit
-        self.runner.add_request(request)
+        generator = self.runner.make_generator(request)
         detok = IncrementalDetokenizer.from_request(self.tokenizer, request)
-        self.states[request_id] = _RequestState(prompt, detok, sampling_params)
+        state = _RequestState(prompt, detok, sampling_params)
+        self.scheduler.add_request(request)  # raises ValueError if it can never fit
+        # Nothing below can fail: the request is now in the engine, whole.
+        self.runner.add_request(request, generator)
+        self.states[request_id] = state
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -300,64 +321,131 @@ class LLMEngine:
         return outputs, stats
 
     def _run_step(self, scheduler_output) -> list[RequestOutput]:
-        """Prepare inputs, run the model, sample and detokenize one scheduled batch."""
+        """Prepare inputs, run the model, sample and detokenize one scheduled batch.
+
+        Isolation: a failure that belongs to one request (building its inputs,
+        sampling it, detokenizing it, matching its stop strings) ends that
+        request alone with ``finish_reason="error"`` and the exception on its
+        :class:`~minivllm.outputs.RequestOutput`; its blocks are freed and
+        the step goes on for the others. Only the forward pass (the executor,
+        every rank together) is fatal: it raises out of the step.
+        """
         with record_function("prepare_inputs"):
-            step_input, sampling_reqs = self.runner.prepare_inputs(scheduler_output)
+            step_input, sampling_reqs, failed = self.runner.prepare_inputs(scheduler_output)
+        by_id = {r.request_id: r for r in scheduler_output.scheduled_requests}
+        outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
         with record_function("forward"):
             logits = self.executor.execute_model(step_input)
-        if scheduler_output.is_empty:
-            return []  # only block-table changes this step
+        if logits is None or not sampling_reqs:
+            return outputs  # only block-table changes (or nothing left) this step
         with record_function("sample"):
-            sampler_output = self.runner.sample(logits, sampling_reqs)
-            token_ids = sampler_output.sampled_token_ids.tolist()
-        sampled = {r.request_id: t for r, t in zip(sampling_reqs, token_ids)}
+            rows = self._sample(logits, sampling_reqs, outputs)
+        sampled = {r.request_id: token for r, token, _ in rows}
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         with record_function("detokenize"):
-            return self._make_outputs(sampling_reqs, sampler_output, finished)
+            outputs += self._make_outputs(rows, finished)
+        return outputs
 
-    def _make_outputs(self, sampling_reqs, sampler_output, finished) -> list[RequestOutput]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+                outputs: list[RequestOutput]) -> list[tuple[Request, int, tuple | None]]:
+        """Sample every row; ``(request, token, logprob row)`` for each that did.
+
+        If the batched sampler raises, each row is sampled on its own (from
+        the generator states it had before) to find the requests it belongs
+        to; those are failed (their outputs appended to ``outputs``).
+        """
+        runner = self.runner
+        seeded = {r.request_id: runner.seeded_generators[r.request_id].get_state()
+                  for r in reqs if r.request_id in runner.seeded_generators}
+        try:
+            return _rows(runner.sample(logits, reqs), reqs)
+        except Exception:  # noqa: BLE001 -- find whose it is, below
+            pass
+        rows = []
+        for i, req in enumerate(reqs):
+            if req.request_id in seeded:
+                runner.seeded_generators[req.request_id].set_state(seeded[req.request_id])
+            try:
+                rows += _rows(runner.sample(logits[i : i + 1], [req]), [req])
+            except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
+                outputs.append(self._fail(req, e))
+        return rows
+
+    def _make_outputs(self, rows, finished) -> list[RequestOutput]:
+        """Detokenize, match stop strings and build each sampled request's output."""
         finished_ids = {r.request_id for r in finished}
-        logprobs = self._logprob_dicts(sampler_output, sampling_reqs)
         outputs = []
-        for i, req in enumerate(sampling_reqs):
+        for req, token, lp_row in rows:
             state = self.states.get(req.request_id)
             if state is None:
                 continue
-            token = req.output_token_ids[-1]
-            stop_str = state.detokenizer.update([token])
-            if stop_str is not None and req.request_id not in finished_ids:
-                req.stop_reason = stop_str
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                finished_ids.add(req.request_id)
-            elif stop_str is not None:
-                req.stop_reason = stop_str
-            if state.logprobs is not None and logprobs is not None:
-                state.logprobs.append(logprobs[i])
-                state.cumulative_logprob += logprobs[i][token].logprob
-            output = self._output(req, state, req.request_id in finished_ids)
+            try:
+                output = self._advance(req, state, token, lp_row, finished_ids)
+            except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
+                outputs.append(self._fail(req, e))
+                continue
             if output is not None:
                 outputs.append(output)
             if req.request_id in finished_ids:
                 self._forget(req.request_id)
         return outputs
 
-    def _logprob_dicts(self, sampler_output, reqs) -> list[dict[int, Logprob]] | None:
-        """Per sampling row, ``{token_id: Logprob}``: the sampled token, then the top-n."""
-        lp = sampler_output.logprobs
-        if lp is None:
-            return None
+    def _advance(self, req: Request, state: _RequestState, token: int, lp_row,
+                 finished_ids: set[str]) -> RequestOutput | None:
+        """One request's new token: its logprobs, text and stop strings; its output."""
+        if state.logprobs is not None and lp_row is not None:
+            logprobs = self._logprob_dict(req, *lp_row)
+            state.logprobs.append(logprobs)
+            state.cumulative_logprob += logprobs[token].logprob
+        stop_str = state.detokenizer.update([token])
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            if req.request_id not in finished_ids:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                finished_ids.add(req.request_id)
+        return self._output(req, state, req.request_id in finished_ids)
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End ``req`` alone after a failure of its own: free its blocks, report ``error``."""
+        logger.warning("minivllm: request %r failed and was aborted: %s: %s",
+                       req.request_id, type(error).__name__, error)
+        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR  # also if it had finished this step
+        state = self.states.get(req.request_id)
+        first = 0
+        if state is not None and state.output_kind == RequestOutputKind.DELTA:
+            first = state.num_sent_tokens
+        completion = CompletionOutput(
+            index=0,
+            # A delta stream has had the text it may see; cumulative ones get it whole.
+            text="" if state is None or state.output_kind == RequestOutputKind.DELTA
+            else state.detokenizer.output_text,
+            token_ids=req.output_token_ids[first:],
+            cumulative_logprob=None if state is None else state.cumulative_logprob,
+            logprobs=None,
+            finish_reason=req.get_finished_reason(),
+        )
+        self._forget(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=None if state is None else state.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=error,
+        )
+
+    def _logprob_dict(self, req: Request, ids: list[int], vals: list[float],
+                      rank: int) -> dict[int, Logprob]:
+        """``{token_id: Logprob}`` for one row: the sampled token, then the top-n."""
         decode = self.tokenizer.convert_ids_to_tokens
-        ids_all, vals_all = lp.logprob_token_ids.tolist(), lp.logprobs.tolist()
-        ranks = lp.selected_token_ranks.tolist()
-        dicts = []
-        for i, req in enumerate(reqs):
-            n = req.sampling_params.logprobs or 0
-            ids, vals = ids_all[i][: n + 1], vals_all[i][: n + 1]
-            d = {ids[0]: Logprob(vals[0], rank=ranks[i], decoded_token=decode(ids[0]))}
-            for k in range(1, n + 1):
-                d.setdefault(ids[k], Logprob(vals[k], rank=k, decoded_token=decode(ids[k])))
-            dicts.append(d)
-        return dicts
+        n = req.sampling_params.logprobs or 0
+        ids, vals = ids[: n + 1], vals[: n + 1]
+        d = {ids[0]: Logprob(vals[0], rank=rank, decoded_token=decode(ids[0]))}
+        for k in range(1, n + 1):
+            d.setdefault(ids[k], Logprob(vals[k], rank=k, decoded_token=decode(ids[k])))
+        return d
 
     def _output(self, req: Request, state: _RequestState,
                 finished: bool) -> RequestOutput | None:
@@ -394,3 +482,14 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any."""
         self.executor.shutdown()
+
+
+def _rows(sampler_output, reqs: list[Request]) -> list[tuple[Request, int, tuple | None]]:
+    """Per row: the request, its sampled token, and its logprob row ``(ids, vals, rank)``."""
+    tokens = sampler_output.sampled_token_ids.tolist()
+    lp = sampler_output.logprobs
+    if lp is None:
+        return [(r, t, None) for r, t in zip(reqs, tokens)]
+    rows = zip(lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+               lp.selected_token_ranks.tolist())
+    return [(r, t, row) for r, t, row in zip(reqs, tokens, rows)]

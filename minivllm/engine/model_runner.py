@@ -41,35 +41,60 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.seeded_generators: dict[str, torch.Generator] = {}
 
-    def add_request(self, request: Request) -> None:
-        """Create the request's own generator if it has a seed."""
+    def make_generator(self, request: Request) -> torch.Generator | None:
+        """The request's own generator if it has a seed (built, not yet stored).
+
+        The engine builds it before the scheduler sees the request, so that a
+        seed torch refuses fails the request's add, not a later step.
+        """
         seed = request.sampling_params.seed
-        if seed is not None:
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            self.seeded_generators[request.request_id] = g
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def add_request(self, request: Request, generator: torch.Generator | None = None) -> None:
+        """Store the request's own generator (made by :meth:`make_generator` if not given)."""
+        if generator is None:
+            generator = self.make_generator(request)
+        if generator is not None:
+            self.seeded_generators[request.request_id] = generator
 
     def remove_request(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self.seeded_generators.pop(request_id, None)
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[StepInput, list[Request]]:
+    def prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[StepInput, list[Request], dict[str, Exception]]:
         """Flatten the scheduled chunks into one batch.
 
-        Returns the step input and the requests that sample a token this step:
-        those whose every token will have been computed after this step (a
-        prefill chunk that is not the last one produces no token).
+        Returns the step input, the requests that sample a token this step
+        (those whose every token will have been computed after this step: a
+        prefill chunk that is not the last one produces no token), and the
+        requests whose inputs could not be built (request id -> the error).
+        Those are left out of the batch; the engine aborts them alone.
         """
-        reqs = scheduler_output.scheduled_requests
+        reqs, starts, counts, chunks = [], [], [], []
+        failed: dict[str, Exception] = {}
+        for r in scheduler_output.scheduled_requests:
+            s, n = r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.request_id]
+            try:
+                chunk = self._request_tokens(r, s, n)
+            except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
+                failed[r.request_id] = e
+                continue
+            reqs.append(r)
+            starts.append(s)
+            counts.append(n)
+            chunks.append(chunk)
         req_ids = tuple(r.request_id for r in reqs)
-        starts = [r.num_computed_tokens for r in reqs]
-        counts = [scheduler_output.num_scheduled_tokens[i] for i in req_ids]
 
         token_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
         sampling: list[Request] = []
-        for r, s, n in zip(reqs, starts, counts):
-            token_ids.extend(r.all_token_ids[s : s + n])
+        for r, s, n, chunk in zip(reqs, starts, counts, chunks):
+            token_ids.extend(chunk)
             positions.extend(range(s, s + n))
             if s + n == r.num_tokens:
                 # Its last scheduled token's logits predict the next token.
@@ -87,7 +112,16 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64),  # (T,)
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # (num_sampled,)
         )
-        return step_input, sampling
+        return step_input, sampling, failed
+
+    @staticmethod
+    def _request_tokens(request: Request, start: int, count: int) -> list[int]:
+        """The ``count`` token ids of ``request`` from ``start`` that this step computes."""
+        chunk = request.all_token_ids[start : start + count]
+        if len(chunk) != count:
+            raise ValueError(f"request {request.request_id!r}: {count} tokens scheduled from "
+                             f"{start}, but it has {request.num_tokens}")
+        return chunk
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row of ``logits`` (row i belongs to ``requests[i]``)."""
