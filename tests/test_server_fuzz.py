@@ -21,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from server_utils import ServerProcess, server_backend
 
@@ -129,6 +129,29 @@ def greedy(base_url: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
+def _completion(**fields) -> tuple[str, bytes, str]:
+    body = {**BASES["/v1/completions"], **fields}
+    return "/v1/completions", json.dumps(body, allow_nan=True).encode(), "application/json"
+
+
+#: Bodies that once broke a server like this one, always tried first.
+KNOWN = [
+    _completion(seed=2**70), _completion(seed=-1), _completion(seed=2**64 - 1, n=3),
+    _completion(temperature=float("nan")), _completion(top_p="NaN"),
+    _completion(top_k=2**70), _completion(min_p=float("inf")), _completion(n=2**70),
+    _completion(max_tokens=2**70), _completion(min_tokens=2**63), _completion(logprobs=2**70),
+    _completion(stop_token_ids=[2**70]), _completion(stop_token_ids=[319, -1]),
+    _completion(repetition_penalty=1e308), _completion(presence_penalty=float("-inf")),
+    _completion(stop=[""]), _completion(stop=[]), _completion(prompt=[[]]),
+    _completion(prompt=["\ud800"]), _completion(prompt=[2**70]),
+    _completion(stream=True, seed=2**70), _completion(stream_options={"include_usage": 1}),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", '
+                             b'"text": 5}]}]}', "application/json"),
+    ("/detokenize", b'{"tokens": [18446744073709551616]}', "application/json"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "application/json"),
+]
+
+
 def send(client: httpx.Client, endpoint: str, raw: bytes, content_type: str | None):
     """POST one body; return (status, body text), reading a stream to its end."""
     headers = {} if content_type is None else {"Content-Type": content_type}
@@ -150,7 +173,12 @@ def test_no_body_gets_a_5xx_or_a_hang_and_the_server_is_unchanged(server) -> Non
             assert 200 <= status < 500, (status, text[:500], raw[:300])
             if status == 200 and text.startswith("data:"):
                 assert '{"error"' not in text, (text[-500:], raw[:300])
+            # A body answered 4xx must not have broken the engine for everyone else.
+            health = client.get("/health")
+            assert health.status_code == 200, (health.text[:300], "after", raw[:300])
 
+        for case in KNOWN:
+            one = example(case)(one)
         one()
 
     assert greedy(server.base_url) == before

@@ -37,9 +37,12 @@ remembers its own loop, so one ``AsyncLLM`` serves from any event loop (two
 - **Abort.** ``abort(request_id)`` (or a consumer that stops iterating, e.g. a
   client that hung up) sends the id to the engine thread, which frees its KV
   blocks before its next step.
-- **Failure.** If a step raises (a tensor-parallel worker died, a kernel
-  failed), every waiting request receives :class:`EngineDeadError` and new
-  requests are refused with it: nobody waits forever.
+- **Failure.** A failure that belongs to one request (the engine reports it
+  with ``finish_reason="error"``) reaches that request's consumer alone, as
+  :class:`RequestError`; the others go on. If a step raises (the forward
+  pass failed, a tensor-parallel worker died), every waiting request
+  receives :class:`EngineDeadError` and new requests are refused with it:
+  nobody waits forever.
 - **Back-pressure.** At most ``max_num_seqs + max_waiting_requests`` requests
   are in flight; more raise :class:`QueueFullError` at once.
 """
@@ -70,6 +73,14 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+
+class RequestError(RuntimeError):
+    """This request failed on its own (sampling, detokenizing it...) and was aborted.
+
+    The engine keeps serving every other request; the engine's exception is
+    the ``__cause__``.
+    """
 
 
 class InvalidRequestError(ValueError):
@@ -253,8 +264,9 @@ class AsyncLLM:
         """Add a request and yield a :class:`StreamDelta` per step that advanced it.
 
         Raises ``ValueError`` (bad prompt), :class:`QueueFullError` or
-        :class:`EngineDeadError` before the first delta, and
-        :class:`EngineDeadError` mid-stream if the engine fails. A consumer that
+        :class:`EngineDeadError` before the first delta; mid-stream,
+        :class:`RequestError` if this request failed on its own and
+        :class:`EngineDeadError` if the engine failed. A consumer that
         stops iterating early aborts the request and frees its KV blocks (at
         once if it closes this generator, e.g. with ``contextlib.aclosing``).
         """
@@ -457,7 +469,9 @@ class AsyncLLM:
             self._record(stream, out, it)
             if out.finished:
                 del self._routes[out.request_id]
-            if not self._hand_over(stream, stream.delta(out)) and not out.finished:
+            if out.error is not None:  # this request alone failed; it is already freed
+                self._hand_over(stream, _request_error(out))
+            elif not self._hand_over(stream, stream.delta(out)) and not out.finished:
                 orphans.append(out.request_id)
         if orphans:
             self._abort(orphans)
@@ -476,6 +490,13 @@ class AsyncLLM:
         it.num_generation_tokens += 1  # a step samples one token per request it reports
         if out.finished:
             it.finished.append((out.outputs[0].finish_reason or "abort", it.now - stream.arrival))
+
+
+def _request_error(out: RequestOutput) -> RequestError:
+    error = RequestError(f"request {out.request_id!r} failed and was aborted: "
+                         f"{type(out.error).__name__}: {out.error}")
+    error.__cause__ = out.error
+    return error
 
 
 def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -76,6 +76,16 @@ def check_prompt_chars(limits: ServingLimits, num_chars: int,
                             f"server's --max-prompt-chars {limits.max_prompt_chars}",
                        field_name)
 
+def check_text(text: str, field_name: str = "prompt") -> None:
+    """400 if ``text`` is not valid Unicode: JSON's ``\\ud800`` escapes decode to a
+    lone surrogate, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{field_name} is not valid Unicode: a lone surrogate "
+                            f"{text[e.start]!a} at character {e.start}", field_name) from None
+
+
 def check_stop(limits: ServingLimits, stop: str | list[str] | None,
                stop_token_ids: list[int] | None) -> None:
     """400 if there are too many stop strings or ids, or one string is too long."""

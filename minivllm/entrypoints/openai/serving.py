@@ -13,7 +13,9 @@ Streaming is Server-Sent Events, as OpenAI::
     data: {"id": ..., "choices": [], "usage": {...}}      # with stream_options.include_usage
     data: [DONE]
 
-If the engine fails mid-stream the client receives ``data: {"error": ...}``.
+If the request fails on its own (the others go on) or the engine fails
+mid-stream, the client receives ``data: {"error": ...}``; before anything was
+streamed, a non-streamed request gets a 500 with OpenAI's error JSON.
 If the client hangs up, the stream is cancelled and every engine request
 behind it is aborted (its KV blocks freed).
 """
@@ -34,6 +36,7 @@ from minivllm.engine.async_llm import (
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
+    RequestError,
     RequestStream,
     StreamDelta,
 )
@@ -44,6 +47,7 @@ from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     check_prompt_chars,
+    check_text,
 )
 
 
@@ -109,6 +113,8 @@ class OpenAIServing:
                            "messages")
         conv = [{"role": m.role, "content": m.text()} for m in messages]
         check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
+        for m in conv:
+            check_text(m["content"], "messages")
         return await self.off_loop(self._apply_chat_template, conv, add_generation_prompt)
 
     def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -119,6 +125,7 @@ class OpenAIServing:
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """``prompt``'s token ids, after checking its length in characters."""
         check_prompt_chars(self.limits, len(prompt))
+        check_text(prompt)
         return await self.off_loop(self.tokenizer.encode, prompt,
                                    add_special_tokens=add_special_tokens)
 
@@ -189,7 +196,7 @@ class OpenAIServing:
                     token_ids[i] += d.token_ids
                     logprobs[i] += d.logprobs or []
                     last[i] = d
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestError) as e:
             raise APIError(500, str(e)) from None
         choices = []
         for i, d in enumerate(last):
@@ -229,7 +236,7 @@ class OpenAIServing:
             if include_usage:
                 yield sse(chunk([], usage(num_prompt_tokens, sum(num_out))))
             yield sse("[DONE]")
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestError) as e:
             yield sse(APIError(500, str(e)).body())
 
     def _logprobs(self, kind: Kind, entries: list[dict], token_ids: list[int]) -> dict:
