@@ -246,6 +246,30 @@ def test_a_body_over_the_cap_is_413(tiny) -> None:
     assert r.status_code == 400 and "300 tokens" in r.json()["error"]["message"]
 
 
+def test_a_client_hang_up_aborts_every_choice_and_frees_the_kv_pool(tiny) -> None:
+    # n=2: the merged stream of two engine requests; both must be aborted.
+    server, _ = tiny
+    before = metrics(server)["minivllm:generation_tokens_total"]
+    body = {"model": "tiny", "prompt": "hang up", "n": 2, "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as h, \
+            h.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(4):
+            while not next(lines).startswith("data:"):
+                pass
+        assert metrics(server)["minivllm:num_requests_running"] == 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
+    assert m["minivllm:generation_tokens_total"] - before < 400  # aborted, not run out
+
+
 def test_api_key_guards_v1_but_not_health_metrics_or_docs(tiny) -> None:
     server, _ = tiny
     for key in ("wrong", KEY + "x", KEY[:-1]):
