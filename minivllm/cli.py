@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
+
+from minivllm.entrypoints.openai.limits import ServingLimits
 
 EXAMPLES = """examples:
     minivllm generate "The capital of France is"      # complete a prompt
@@ -167,9 +170,20 @@ def cmd_serve(args) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
+    # From the environment, the key is not visible in `ps` as a flag would be.
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINIVLLM_API_KEY")
+    try:
+        limits = ServingLimits(
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_prompt_chars=args.max_prompt_chars, max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+            max_detokenize_tokens=args.max_detokenize_tokens)
+    except ValueError as e:
+        raise SystemExit(f"minivllm serve: {e}") from None
     llm = AsyncLLM(_make_llm(args).llm_engine, max_waiting_requests=args.max_waiting_requests)
     run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
-               api_key=args.api_key, log_level=args.uvicorn_log_level)
+               api_key=api_key or None, log_level=args.uvicorn_log_level, limits=limits,
+               api_key_all_paths=args.api_key_all_paths)
     return 0
 
 
@@ -228,12 +242,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000,
                    help="port (default %(default)s; 0 picks a free one, printed at start)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every path but /health")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                        "/detokenize; /health, /metrics, /docs and /openapi.json stay open "
+                        "(default: $MINIVLLM_API_KEY, which, unlike this flag, `ps` does "
+                        "not show)")
+    g.add_argument("--api-key-all-paths", action="store_true",
+                   help="with a key, guard /health, /metrics, /docs and /openapi.json too")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients send as 'model' (default: MODEL as given)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs; more get HTTP 503 "
                         "(default %(default)s)")
+    caps = ServingLimits()
+    g = p.add_argument_group("request size caps (HTTP 413 or 400 beyond them)")
+    g.add_argument("--max-request-body-bytes", type=int, default=caps.max_request_body_bytes,
+                   help="largest request body, in bytes (default %(default)s)")
+    g.add_argument("--max-prompt-chars", type=int, default=caps.max_prompt_chars,
+                   help="longest prompt in characters (a chat's messages together, "
+                        "/tokenize too), checked before tokenizing (default %(default)s)")
+    g.add_argument("--max-stop-strings", type=int, default=caps.max_stop_strings,
+                   help="most entries in stop, and in stop_token_ids (default %(default)s)")
+    g.add_argument("--max-stop-string-chars", type=int, default=caps.max_stop_string_chars,
+                   help="longest stop string in characters (default %(default)s)")
+    g.add_argument("--max-detokenize-tokens", type=int, default=caps.max_detokenize_tokens,
+                   help="most token ids one /detokenize may send (default %(default)s)")
+    g = p.add_argument_group("server logging")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'info' logs every request")

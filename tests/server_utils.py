@@ -94,11 +94,12 @@ def port_is_free(port: int) -> bool:
 class ServerProcess:
     """``minivllm serve MODEL --port 0 ...`` in a subprocess; ``.base_url`` once up."""
 
-    def __init__(self, model: str, *args: str, timeout_s: float = 180.0) -> None:
+    def __init__(self, model: str, *args: str, timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "minivllm.cli", "serve", model, "--host", "127.0.0.1",
                "--port", "0", "--device", "cpu", *args]
         # CUDA hidden: the server runs on the CPU, where "auto" means ref kernels.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()

@@ -12,7 +12,7 @@ import pytest
 from server_utils import offline_backend
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, held_back
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 
 
@@ -28,13 +28,6 @@ def make(path, spec, **kw) -> LLMEngine:
 
 def run(coro, timeout: float = 120):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def test_held_back_is_the_longest_tail_that_may_become_a_stop_string() -> None:
-    assert held_back("Paris.\n\nTh", ["\n\nThe"]) == 4
-    assert held_back("Paris.", ["\n\nThe"]) == 0
-    assert held_back("abcab", ["abcabd", "b"]) == 5
-    assert held_back("xyz", []) == 0
 
 
 def test_concurrent_deltas_join_into_the_offline_text(tiny_model_dir, spec) -> None:
@@ -149,3 +142,135 @@ def test_an_engine_failure_reaches_every_request_and_later_ones(tiny_model_dir, 
             await llm.shutdown()
 
     run(main())
+
+
+def test_one_engine_serves_two_event_loops_one_after_the_other(tiny_model_dir, spec) -> None:
+    # A second asyncio.run used to get "Future attached to a different loop"
+    # from the first loop's future, and the engine thread died of it.
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(path), backend=spec, device="cpu", max_model_len=256).generate(
+        ["first", "second"], params, use_tqdm=False)
+    llm = AsyncLLM(make(path, spec))
+
+    async def text(prompt):
+        return "".join([d.text async for d in llm.generate(prompt, params)])
+
+    async def second():
+        try:
+            return await text("second")
+        finally:
+            await llm.shutdown()
+
+    assert run(text("first")) == want[0].outputs[0].text
+    assert run(second()) == want[1].outputs[0].text
+
+
+def test_a_batch_is_one_command_scheduled_in_one_step(tiny_model_dir, spec) -> None:
+    # 16 prompts x n=8 through the server's code path: all 128 in the first step.
+    from minivllm.entrypoints.openai.protocol import CompletionRequest
+    from minivllm.entrypoints.openai.serving import OpenAIServing
+
+    engine = make(tiny_model_dir("llama"), spec, max_num_seqs=128, max_num_batched_tokens=2048)
+    steps = []
+    llm = AsyncLLM(engine, stat_loggers=[lambda stats, it: steps.append(stats)])
+    serving = OpenAIServing(llm, "tiny")
+    prompts = [f"prompt number {i}" for i in range(16)]
+
+    async def main():
+        try:
+            return await serving.create_completion(CompletionRequest(
+                prompt=prompts, n=8, max_tokens=2, seed=1, ignore_eos=True))
+        finally:
+            serving.close()
+            await llm.shutdown()
+
+    out = run(main())
+    assert len(out["choices"]) == 128 and out["usage"]["completion_tokens"] == 256
+    assert len(steps[0].num_scheduled_tokens) == 128, steps[0]
+    assert sum(steps[0].num_scheduled_tokens.values()) == \
+        8 * sum(len(engine.tokenizer.encode(p)) for p in prompts)
+
+
+def test_a_batch_with_one_bad_request_queues_none(tiny_model_dir, spec) -> None:
+    from minivllm.engine.async_llm import InvalidRequestError
+
+    engine = make(tiny_model_dir("llama"), spec)
+    num_blocks = engine.cache_config.num_blocks
+    scheduled = set()
+    llm = AsyncLLM(engine, stat_loggers=[lambda st, it: scheduled.update(st.num_scheduled_tokens)])
+    ok = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def main():
+        try:
+            with pytest.raises(InvalidRequestError, match="request 2 of 3") as e:
+                await llm.add_requests([("a b c", ok, None), ("d e f", ok, None),
+                                        ([999_999], ok, None)])
+            assert e.value.index == 2 and "prompt_token_ids" in e.value.reason
+            assert llm.num_in_flight == 0 and not engine.has_unfinished_requests()
+            assert engine.scheduler.num_free_blocks == num_blocks
+            # Nothing of the refused batch runs later either.
+            deltas = [d async for d in llm.generate("g", SamplingParams(max_tokens=3))]
+            assert deltas[-1].finished and not engine.has_unfinished_requests()
+            assert scheduled == {deltas[-1].request_id}
+        finally:
+            await llm.shutdown()
+
+    run(main())
+
+
+def test_closing_the_generator_aborts_at_once(tiny_model_dir, spec) -> None:
+    # aclose() runs generate()'s finally, which closes the inner stream at
+    # once (aclosing) instead of leaving it to garbage collection.
+    import contextlib
+
+    engine = make(tiny_model_dir("llama"), spec)
+    llm = AsyncLLM(engine)
+
+    async def main():
+        try:
+            async with contextlib.aclosing(
+                    llm.generate("abc", SamplingParams(max_tokens=200, ignore_eos=True))) as g:
+                async for _ in g:
+                    break
+            assert llm.num_in_flight == 0  # no await in between: the abort is queued
+            for _ in range(100):
+                if llm.last_stats.num_free_blocks == engine.cache_config.num_blocks:
+                    break
+                await asyncio.sleep(0.05)
+            assert llm.last_stats.num_free_blocks == engine.cache_config.num_blocks
+        finally:
+            await llm.shutdown()
+
+    run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_its_deltas_merged(tiny_model_dir, spec) -> None:
+    # The stream keeps one pending item however many steps ran unread, and
+    # what it hands over joins into the offline text and tokens.
+    path = tiny_model_dir("llama")
+    text = LLM(str(path), backend=spec, device="cpu", max_model_len=256).generate(
+        "slow reader", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    stop = text[10:12]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                            logprobs=1)
+    want = LLM(str(path), backend=spec, device="cpu", max_model_len=256).generate(
+        "slow reader", params, use_tqdm=False)[0].outputs[0]
+    llm = AsyncLLM(make(path, spec))
+
+    async def main():
+        try:
+            stream = await llm.add_request("slow reader", params)
+            while llm.num_in_flight:  # read nothing until the request has finished
+                await asyncio.sleep(0.05)
+            return [d async for d in llm.stream_outputs(stream)]
+        finally:
+            await llm.shutdown()
+
+    deltas = run(main())
+    assert len(deltas) == 1
+    d = deltas[0]
+    assert d.text == want.text and d.token_ids == want.token_ids
+    assert d.finished and d.finish_reason == "stop" and d.stop_reason == stop
+    assert len(d.logprobs) == len(want.token_ids) == d.num_output_tokens

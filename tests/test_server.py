@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, alive, offline_backend, server_backend
+from server_utils import ServerProcess, alive, cmdline, offline_backend, server_backend
 
 from minivllm import LLM, SamplingParams
 
@@ -37,7 +37,8 @@ def tiny(tiny_model_dir, spec):
     """A served tiny model (with an API key) and the offline LLM as its oracle."""
     path = str(tiny_model_dir("llama"))
     server = ServerProcess(path, "--backend", spec, "--max-model-len", str(MAX_MODEL_LEN),
-                           "--api-key", KEY, "--served-model-name", "tiny")
+                           "--api-key", KEY, "--served-model-name", "tiny",
+                           "--max-prompt-chars", "4096", "--max-detokenize-tokens", "256")
     llm = LLM(path, backend=offline_backend(spec), device="cpu", max_model_len=MAX_MODEL_LEN)
     try:
         yield server, llm
@@ -177,8 +178,13 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(presence_penalty=3), 400, "presence_penalty"),
     (dict(extra_body={"min_tokens": 9}, max_tokens=4), 400, "min_tokens"),
     (dict(extra_body={"top_k": -3}), 400, "top_k"),
-    (dict(extra_body={"topk": 3}), 400, "topk"),
     (dict(echo=True), 400, "echo"),
+    (dict(logit_bias={"1": 2.0}), 400, "logit_bias"),
+    (dict(stop=[f"s{i}" for i in range(17)]), 400, "--max-stop-strings"),
+    (dict(stop=["x" * 257]), 400, "--max-stop-string-chars"),
+    (dict(extra_body={"stop_token_ids": list(range(17))}), 400, "--max-stop-strings"),
+    (dict(prompt="y" * 5000), 400, "--max-prompt-chars"),
+    (dict(prompt=list(range(MAX_MODEL_LEN + 1))), 400, "257 tokens"),
     (dict(model="no-such-model"), 404, "no-such-model"),
 ]
 
@@ -193,7 +199,8 @@ def test_every_bad_input_gets_its_4xx_and_the_server_still_answers(tiny) -> None
             pytest.fail(f"no error for {fields}")
         assert e.value.status_code == status, (fields, e.value)
         assert word in e.value.message, (fields, e.value.message)
-    for messages, word in (([], "messages"), ([{"role": "robot", "content": "x"}], "role")):
+    for messages, word in (([], "messages"), ([{"role": "robot", "content": "x"}], "role"),
+                           ([{"role": "user", "content": "z" * 5000}], "--max-prompt-chars")):
         with pytest.raises(openai.BadRequestError, match=word):
             c.chat.completions.create(model="tiny", messages=messages)
     want = offline(llm, "hi", temperature=0, max_tokens=5, ignore_eos=True).outputs[0].text
@@ -203,14 +210,92 @@ def test_every_bad_input_gets_its_4xx_and_the_server_still_answers(tiny) -> None
     assert metrics(server)["minivllm:num_requests_running"] == 0
 
 
-def test_api_key_is_required_except_for_health(tiny) -> None:
+def test_unknown_fields_are_accepted_and_named_in_a_warning(tiny) -> None:
+    server, llm = tiny
+    want = offline(llm, "hi", temperature=0, max_tokens=3, ignore_eos=True).outputs[0].text
+    got = client(server).completions.create(
+        model="tiny", prompt="hi", temperature=0, max_tokens=3,
+        extra_body={"ignore_eos": True, "topk_misspelt": 3, "langchain_extra": {"a": 1}})
+    assert got.choices[0].text == want
+    deadline = time.monotonic() + 10
+    while not any("topk_misspelt" in line for line in server.log) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    warning = next(line for line in server.log if "topk_misspelt" in line)
+    assert "langchain_extra" in warning and "ignoring" in warning
+
+
+def test_a_body_over_the_cap_is_413(tiny) -> None:
+    server, _ = tiny
+    h = {"Authorization": f"Bearer {KEY}"}
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    r = httpx.post(f"{server.base_url}/v1/completions", content=big, headers=h, timeout=30)
+    assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the cap counts the bytes as they come
+        for _ in range(40):
+            yield b"a" * 65536
+
+    r = httpx.post(f"{server.base_url}/tokenize", content=chunked(), headers=h, timeout=30)
+    assert r.status_code == 413
+    r = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "b" * 5000}, headers=h,
+                   timeout=30)
+    assert r.status_code == 400 and "--max-prompt-chars" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [1] * 300}, headers=h,
+                   timeout=30)
+    assert r.status_code == 400 and "300 tokens" in r.json()["error"]["message"]
+
+
+def test_a_client_hang_up_aborts_every_choice_and_frees_the_kv_pool(tiny) -> None:
+    # n=2: the merged stream of two engine requests; both must be aborted.
+    server, _ = tiny
+    before = metrics(server)["minivllm:generation_tokens_total"]
+    body = {"model": "tiny", "prompt": "hang up", "n": 2, "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as h, \
+            h.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(4):
+            while not next(lines).startswith("data:"):
+                pass
+        assert metrics(server)["minivllm:num_requests_running"] == 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        if m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
+    assert m["minivllm:generation_tokens_total"] - before < 400  # aborted, not run out
+
+
+def test_api_key_guards_v1_but_not_health_metrics_or_docs(tiny) -> None:
     server, _ = tiny
     for key in ("wrong", KEY + "x", KEY[:-1]):
         with pytest.raises(openai.AuthenticationError, match="API key"):
             client(server, key=key).models.list()
-    assert httpx.get(f"{server.base_url}/metrics", timeout=10).status_code == 401
-    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    for path in ("/health", "/metrics", "/docs", "/openapi.json"):
+        assert httpx.get(f"{server.base_url}{path}", timeout=10).status_code == 200, path
+    for path in ("/tokenize", "/detokenize", "/v1/completions"):
+        assert httpx.post(f"{server.base_url}{path}", json={}, timeout=10).status_code == 401
     assert [m.id for m in client(server).models.list().data] == ["tiny"]
+
+
+def test_api_key_from_the_environment_and_all_paths_guarded(tiny_model_dir, spec) -> None:
+    secret = "env-secret-456"
+    server = ServerProcess(str(tiny_model_dir("llama")), "--backend", spec,
+                           "--max-model-len", "128", "--api-key-all-paths",
+                           env={"MINIVLLM_API_KEY": secret})
+    try:
+        assert secret not in cmdline(server.proc.pid)  # not visible in `ps`
+        for path in ("/health", "/metrics", "/docs", "/openapi.json", "/v1/models"):
+            assert httpx.get(f"{server.base_url}{path}", timeout=10).status_code == 401, path
+            ok = httpx.get(f"{server.base_url}{path}", timeout=10,
+                           headers={"Authorization": f"Bearer {secret}"})
+            assert ok.status_code == 200, path
+    finally:
+        server.stop()
 
 
 def test_tokenize_and_detokenize_round_trip(tiny) -> None:
@@ -415,5 +500,8 @@ def test_serve_help_documents_the_server_flags(capsys) -> None:
         main(["serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--api-key", "--max-waiting-requests", "127.0.0.1"):
+    for flag in ("--host", "--port", "--api-key", "--max-waiting-requests", "127.0.0.1",
+                 "MINIVLLM_API_KEY", "--api-key-all-paths", "--max-request-body-bytes",
+                 "--max-prompt-chars", "--max-stop-strings", "--max-stop-string-chars",
+                 "--max-detokenize-tokens"):
         assert flag in out

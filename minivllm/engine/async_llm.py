@@ -6,48 +6,63 @@ at the same time. A server, on the other hand, receives requests at any moment
 on an asyncio event loop. vLLM's ``AsyncLLM`` bridges the two; this is the same
 design, readable in one file::
 
-    event loop (HTTP handlers)                 engine thread (the only one touching LLMEngine)
-    -------------------------------            -----------------------------------------------
-    add_request() --("add", ...)--> inbox ---> while True:
-    abort()       --("abort", ...)-> inbox         apply every command in the inbox
-                                                   if anything is unfinished:
-    _dispatch(outputs, stats) <-------------------     outputs, stats = engine.step_with_stats()
-      put each output in its request's queue       (sleep on the inbox when idle)
-    generate() yields StreamDelta s from its queue
+    event loop(s) (HTTP handlers)               engine thread (the only one touching LLMEngine)
+    -------------------------------             -----------------------------------------------
+    add_requests() --("add", [...])--> inbox --> while True:
+    abort()        --("abort", [...])-> inbox        apply every command in the inbox
+                                                     if anything is unfinished:
+    stream.put(delta) <--call_soon_threadsafe---         outputs, stats = engine.step_with_stats()
+      (on the loop that added the request)               route each output to its stream
+    generate() yields StreamDelta s from its stream  (sleep on the inbox when idle)
 
 The engine thread steps back to back, as vLLM's ``EngineCore`` busy loop
-does: it never waits for the event loop between steps, so serving adds no
+does: it never waits for an event loop between steps, so serving adds no
 hand-off to a step (which matters on a busy CPU, where every thread wake-up
 may wait for a time slice). Commands and outputs cross between the threads
-only through the inbox (a thread-safe queue) and ``call_soon_threadsafe``.
+only through the inbox (a thread-safe queue) and ``call_soon_threadsafe`` on
+the loop of whoever waits: each command's future and each request's stream
+remembers its own loop, so one ``AsyncLLM`` serves from any event loop (two
+``asyncio.run`` one after the other, or a loop per thread).
 
-- **Deltas.** Each output carries the text added since the last one. Text that
-  may still turn into a stop string is held back (as the detokenizer does for
-  the chat REPL), so concatenating the deltas gives exactly the final text.
+- **One add, many requests.** :meth:`AsyncLLM.add_requests` queues a whole
+  batch (an HTTP request's prompts x ``n``) as one command, applied between two
+  steps: all of them are scheduled together, and if one is refused none stays.
+- **Deltas.** Every request asks the engine for ``RequestOutputKind.DELTA``
+  outputs: each carries only the text, token ids and logprobs added since the
+  last one (the detokenizer holds back text that may still become a stop
+  string, so concatenating the deltas gives exactly the final text). A step
+  costs O(new tokens) per request however long it has run, and a consumer
+  that falls behind gets its unread deltas merged into one
+  (:class:`RequestStream`), so its buffer holds one item, never one per step.
 - **Abort.** ``abort(request_id)`` (or a consumer that stops iterating, e.g. a
   client that hung up) sends the id to the engine thread, which frees its KV
   blocks before its next step.
-- **Failure.** If a step raises (a tensor-parallel worker died, a kernel
-  failed), every waiting request receives :class:`EngineDeadError` and new
-  requests are refused with it: nobody waits forever.
+- **Failure.** A failure that belongs to one request (the engine reports it
+  with ``finish_reason="error"``) reaches that request's consumer alone, as
+  :class:`RequestError`; the others go on. If a step raises (the forward
+  pass failed, a tensor-parallel worker died), every waiting request
+  receives :class:`EngineDeadError` and new requests are refused with it:
+  nobody waits forever.
 - **Back-pressure.** At most ``max_num_seqs + max_waiting_requests`` requests
-  are in flight; one more raises :class:`QueueFullError` at once.
+  are in flight; more raise :class:`QueueFullError` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 from minivllm.outputs import Logprob, RequestOutput, StepStats
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -60,9 +75,31 @@ class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
 
 
+class RequestError(RuntimeError):
+    """This request failed on its own (sampling, detokenizing it...) and was aborted.
+
+    The engine keeps serving every other request; the engine's exception is
+    the ``__cause__``.
+    """
+
+
+class InvalidRequestError(ValueError):
+    """One request of a batch was refused (so none of the batch was queued).
+
+    Attributes:
+        index: the position of the refused request in the batch.
+        reason: the engine's message about it.
+    """
+
+    def __init__(self, reason: str, index: int, batch_size: int) -> None:
+        where = f"request {index} of {batch_size}: " if batch_size > 1 else ""
+        super().__init__(where + reason)
+        self.index, self.reason = index, reason
+
+
 @dataclass
 class StreamDelta:
-    """What one engine step added to one request.
+    """What one or more engine steps added to one request.
 
     Attributes:
         request_id: the request's id.
@@ -72,7 +109,8 @@ class StreamDelta:
         finished: True on the request's last delta.
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
         stop_reason: the stop string or token id that ended it, if any.
-        output: the engine's cumulative :class:`RequestOutput` at this step.
+        num_prompt_tokens: the prompt's length in tokens.
+        num_output_tokens: tokens generated so far, this delta's included.
     """
 
     request_id: str
@@ -82,16 +120,8 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None
-    output: RequestOutput
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.output.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Tokens generated so far, this delta included."""
-        return len(self.output.outputs[0].token_ids)
+    num_prompt_tokens: int
+    num_output_tokens: int
 
 
 @dataclass
@@ -107,49 +137,71 @@ class IterationStats:
     finished: list[tuple[str, float]] = field(default_factory=list)
 
 
-#: A stat logger gets every step's :class:`StepStats` and :class:`IterationStats`.
+#: A stat logger gets every step's :class:`StepStats` and :class:`IterationStats`
+#: (called on the engine thread).
 StatLogger = Callable[[StepStats, IterationStats], None]
 
 
-def held_back(text: str, stop: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string.
-
-    That tail must not be streamed yet: the next token may complete the stop
-    string, and the engine then cuts it from the text.
-    """
-    longest = max((len(s) for s in stop), default=1) - 1
-    for n in range(min(longest, len(text)), 0, -1):
-        if any(s.startswith(text[-n:]) for s in stop):
-            return n
-    return 0
-
-
 class RequestStream:
-    """The async side of one request: its queue of outputs, and what was streamed."""
+    """One request in flight: where its deltas wait for their consumer.
 
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
+    The engine thread hands each delta to the stream's own event loop
+    (:meth:`put` runs there). A consumer that falls behind does not queue one
+    delta per step: the deltas it has not read yet are merged into one, so
+    the stream holds at most one pending item, whose size is the tokens not
+    yet read (never more than ``max_tokens``), and a slow client costs the
+    engine O(new tokens) per step however far behind it is.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
-        self.stop = params.stop_strings
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.loop = loop
         self.arrival = time.monotonic()
+        # Engine-thread side: what was handed over, and when.
         self.last_token_time: float | None = None
-        self.num_text_sent = 0
         self.num_tokens_sent = 0
+        # Event-loop side: the merged deltas not yet read, or the error to raise.
+        self._pending: StreamDelta | BaseException | None = None
+        self._pending_text: list[str] = []
+        self._ready = asyncio.Event()
 
     def delta(self, out: RequestOutput) -> StreamDelta:
-        """The part of ``out`` not yet streamed."""
+        """(engine thread) The engine's DELTA output ``out`` as a :class:`StreamDelta`."""
         comp = out.outputs[0]
-        end = len(comp.text) if out.finished else len(comp.text) - held_back(comp.text, self.stop)
-        text = comp.text[self.num_text_sent:end]
-        self.num_text_sent = max(self.num_text_sent, end)
-        sent, now = self.num_tokens_sent, len(comp.token_ids)
-        # token_ids is a copy per step, but the engine keeps appending to the
-        # logprobs list it shares with every output: cut it at this step's length.
-        logprobs = None if comp.logprobs is None else comp.logprobs[sent:now]
-        new_ids = comp.token_ids[sent:now]
-        self.num_tokens_sent = now
-        return StreamDelta(out.request_id, text, new_ids, logprobs, out.finished,
-                           comp.finish_reason, comp.stop_reason, out)
+        self.num_tokens_sent += len(comp.token_ids)
+        return StreamDelta(out.request_id, comp.text, list(comp.token_ids), comp.logprobs,
+                           out.finished, comp.finish_reason, comp.stop_reason,
+                           len(out.prompt_token_ids), self.num_tokens_sent)
+
+    def put(self, item: StreamDelta | BaseException) -> None:
+        """(its event loop) Add a delta, appended to any unread one, or an error."""
+        if isinstance(self._pending, BaseException):
+            return  # already failed: nothing after the error counts
+        if isinstance(self._pending, StreamDelta) and isinstance(item, StreamDelta):
+            self._pending_text.append(item.text)  # joined once, in get(): O(new) here
+            self._pending.token_ids += item.token_ids
+            if self._pending.logprobs is not None:
+                self._pending.logprobs += item.logprobs or []
+            self._pending.finished, self._pending.finish_reason = item.finished, \
+                item.finish_reason
+            self._pending.stop_reason = item.stop_reason
+            self._pending.num_output_tokens = item.num_output_tokens
+        else:
+            self._pending = item
+            self._pending_text = [item.text] if isinstance(item, StreamDelta) else []
+        self._ready.set()
+
+    async def get(self) -> StreamDelta:
+        """(its event loop) The next delta: every step's since the previous call, merged."""
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._pending = self._pending, None
+        if isinstance(item, BaseException):
+            self._pending = item  # every later call raises it too
+            self._ready.set()
+            raise item
+        item.text = "".join(self._pending_text)
+        return item
 
 
 class AsyncLLM:
@@ -158,11 +210,12 @@ class AsyncLLM:
     Args:
         engine: the engine to drive. From now on only this object may call it.
         max_waiting_requests: how many requests may wait beyond the
-            ``max_num_seqs`` that can run; one more raises :class:`QueueFullError`.
+            ``max_num_seqs`` that can run; more raise :class:`QueueFullError`.
         stat_loggers: callables given each step's :class:`StepStats` and
-            :class:`IterationStats` (the server's Prometheus metrics are one).
+            :class:`IterationStats` on the engine thread (the server's
+            Prometheus metrics are one).
 
-    Use it from inside a running event loop::
+    Use it from inside any running event loop::
 
         llm = AsyncLLM.from_config(EngineConfig(model="smollm2"))
         async for delta in llm.generate("Hello", SamplingParams(max_tokens=8)):
@@ -181,13 +234,14 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self.last_stats: StepStats | None = None
         self.error: EngineDeadError | None = None
-        # Event-loop side: the streams of the requests in flight.
+        # Caller side: the requests in flight (added, not yet finished or aborted).
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
-        # Between the threads: commands in, outputs out through call_soon_threadsafe.
+        # Engine-thread side: where each running request's outputs go.
+        self._routes: dict[str, RequestStream] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLM:
@@ -210,54 +264,79 @@ class AsyncLLM:
         """Add a request and yield a :class:`StreamDelta` per step that advanced it.
 
         Raises ``ValueError`` (bad prompt), :class:`QueueFullError` or
-        :class:`EngineDeadError` before the first delta, and
-        :class:`EngineDeadError` mid-stream if the engine fails. A consumer that
-        stops iterating early aborts the request and frees its KV blocks.
+        :class:`EngineDeadError` before the first delta; mid-stream,
+        :class:`RequestError` if this request failed on its own and
+        :class:`EngineDeadError` if the engine failed. A consumer that
+        stops iterating early aborts the request and frees its KV blocks (at
+        once if it closes this generator, e.g. with ``contextlib.aclosing``).
         """
         stream = await self.add_request(prompt, sampling_params, request_id)
-        async for delta in self.stream_outputs(stream):
-            yield delta
+        async with contextlib.aclosing(self.stream_outputs(stream)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[StreamDelta]:
         """Yield the deltas of a request added with :meth:`add_request` (see :meth:`generate`)."""
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield stream.delta(item)
+                delta = await stream.get()
+                finished = delta.finished
+                yield delta
         finally:
             if not finished:
-                self._abort_soon(stream.request_id)
+                self._abort_soon([stream.request_id])
 
     async def add_request(self, prompt: str | list[int], sampling_params: SamplingParams,
                           request_id: str | None = None) -> RequestStream:
-        """Queue a request in the engine; return the stream its outputs arrive on."""
+        """Queue one request in the engine; return the stream its outputs arrive on."""
+        try:
+            return (await self.add_requests([(prompt, sampling_params, request_id)]))[0]
+        except InvalidRequestError as e:
+            raise ValueError(e.reason) from None
+
+    async def add_requests(
+        self, requests: Sequence[tuple[str | list[int], SamplingParams, str | None]],
+    ) -> list[RequestStream]:
+        """Queue ``(prompt, sampling_params, request_id)`` requests as one command.
+
+        The engine thread adds them all between two steps, so the next step can
+        schedule all of them. All or nothing: if one is refused, the ones
+        before it are taken out again before any step runs, and
+        :class:`InvalidRequestError` (a ``ValueError``) names the refused one.
+        """
         if self.error is not None:
             raise self.error
-        if self.num_in_flight >= self.max_requests:
+        if self.num_in_flight + len(requests) > self.max_requests:
             raise QueueFullError(
-                f"the server is full: {self.num_in_flight} requests in flight (at most "
-                f"{self.max_requests}); retry later or raise --max-waiting-requests"
+                f"the server is full: {self.num_in_flight} requests in flight and "
+                f"{len(requests)} more asked for (at most {self.max_requests}); "
+                f"retry later or raise --max-waiting-requests"
             )
+        loop = asyncio.get_running_loop()
+        batch, streams = [], []
+        for prompt, params, request_id in requests:
+            request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+            if request_id in self._streams or any(s.request_id == request_id for s in streams):
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            text, ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) \
+                else (None, list(prompt))
+            if params.output_kind != RequestOutputKind.DELTA:  # a copy: the caller's stays
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+            stream = RequestStream(request_id, loop)
+            batch.append((text, ids, params, stream))
+            streams.append(stream)
         self._ensure_thread()
-        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        text, ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
-        stream = RequestStream(request_id, sampling_params)
-        # Registered before the engine sees it, so the next step's output finds it.
-        self._streams[request_id] = stream
+        for s in streams:
+            self._streams[s.request_id] = s
         try:
-            await self._send("add", (text, list(ids), sampling_params, request_id))
+            await self._send("add", batch)
         except BaseException:
-            # A bad prompt (ValueError), or the caller was cancelled meanwhile: in
-            # that case the engine may have queued it, so abort it to be sure.
-            self._abort_soon(request_id)
+            # A refused request, or the caller was cancelled meanwhile: in that
+            # case the engine may have queued them, so abort them to be sure.
+            self._abort_soon([s.request_id for s in streams])
             raise
-        return stream
+        return streams
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; return once they are free."""
@@ -272,84 +351,133 @@ class AsyncLLM:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         if self.error is None:
-            self._fail_all(EngineDeadError("the engine was shut down"))
+            self.error = EngineDeadError("the engine was shut down")
+        for stream in list(self._streams.values()):
+            self._hand_over(stream, self.error)
+        self._streams.clear()
         await asyncio.to_thread(self.engine.shutdown)
 
     # -- the two threads ----------------------------------------------------------
 
     def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._loop = asyncio.get_running_loop()
-            self._thread = threading.Thread(target=self._engine_loop, name="minivllm-engine",
-                                            daemon=True)
-            self._thread.start()
+        with self._thread_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._engine_loop,
+                                                name="minivllm-engine", daemon=True)
+                self._thread.start()
 
     async def _send(self, kind: str, arg) -> None:
         """Send a command to the engine thread; wait until it is applied (or raises)."""
-        done = self._loop.create_future()
+        done = asyncio.get_running_loop().create_future()
         self._inbox.put((kind, arg, done))
         await done
 
-    def _abort_soon(self, request_id: str) -> None:
-        """Forget the request now; the engine thread frees its blocks before its next step."""
-        self._streams.pop(request_id, None)
+    def _abort_soon(self, request_ids: list[str]) -> None:
+        """Forget requests now; the engine thread frees their blocks before its next step."""
+        for rid in request_ids:
+            self._streams.pop(rid, None)
         if self._thread is not None:
-            self._inbox.put(("abort", [request_id], None))
+            self._inbox.put(("abort", request_ids, None))
+
+    def _hand_over(self, stream: RequestStream, item: StreamDelta | BaseException) -> bool:
+        """(any thread) Deliver ``item`` on the stream's loop; False if that loop is gone."""
+        try:
+            stream.loop.call_soon_threadsafe(self._deliver, stream, item)
+        except RuntimeError:  # the loop was closed: nobody will read this request
+            return False
+        return True
+
+    def _deliver(self, stream: RequestStream, item: StreamDelta | BaseException) -> None:
+        """(the stream's loop) Put ``item`` on the stream; forget a request that ended."""
+        if isinstance(item, BaseException) or item.finished:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+        stream.put(item)
 
     def _engine_loop(self) -> None:
         """(engine thread) Apply the commands, step while there is work, hand the outputs
-        to the event loop; sleep on the inbox when idle. Runs until ``"stop"``."""
-        error: EngineDeadError | None = None
+        to their streams; sleep on the inbox when idle. Runs until ``"stop"``."""
         refresh = False  # an abort happened: step once, so the stats show the freed blocks
         while True:
-            busy = error is None and (refresh or self.engine.has_unfinished_requests())
+            busy = self.error is None and (refresh or self.engine.has_unfinished_requests())
             commands = [] if busy else [self._inbox.get()]  # block only when idle
             while not self._inbox.empty():
                 commands.append(self._inbox.get())
             for kind, arg, done in commands:
                 if kind == "stop":
                     return
-                refresh |= self._apply(kind, arg, done, error)
-            if error is not None or not (refresh or self.engine.has_unfinished_requests()):
+                refresh |= self._apply(kind, arg, done)
+            if self.error is not None or not (refresh or self.engine.has_unfinished_requests()):
                 continue
             refresh = False
             try:
                 outputs, stats = self.engine.step_with_stats()
             except Exception as e:
                 logger.exception("minivllm: the engine loop failed")
-                error = EngineDeadError(f"the engine failed: {e}")
-                self._loop.call_soon_threadsafe(self._fail_all, error)
+                self.error = EngineDeadError(f"the engine failed: {e}")
+                for stream in self._routes.values():
+                    self._hand_over(stream, self.error)
+                self._routes.clear()
                 continue
-            self._loop.call_soon_threadsafe(self._dispatch, outputs, stats)
+            refresh = self._dispatch(outputs, stats)
 
-    def _apply(self, kind: str, arg, done, error: EngineDeadError | None) -> bool:
+    def _apply(self, kind: str, arg, done) -> bool:
         """(engine thread) Run one command; report to its future. True after an abort."""
-        exc: BaseException | None = error if kind == "add" else None
-        try:
-            if kind == "add" and error is None:
-                self.engine.add_request(*arg)
-            elif kind == "abort" and error is None:
-                self.engine.abort_request(arg)
-        except Exception as e:  # a bad prompt: ValueError for the caller
-            exc = e
+        exc: BaseException | None = None
+        if kind == "add":
+            exc = self.error or self._add(arg)
+        elif kind == "abort" and self.error is None:
+            self._abort(arg)
         if done is not None:
-            self._loop.call_soon_threadsafe(_resolve, done, exc)
+            with contextlib.suppress(RuntimeError):  # its loop is gone: nobody waits
+                done.get_loop().call_soon_threadsafe(_resolve, done, exc)
         return kind == "abort"
 
-    def _dispatch(self, outputs: list[RequestOutput], stats: StepStats) -> None:
-        """Hand each output to its request's queue; record timings for the loggers."""
+    def _add(self, batch) -> BaseException | None:
+        """(engine thread) Add every request of ``batch``, or none of them."""
+        added: list[str] = []
+        for index, (text, ids, params, stream) in enumerate(batch):
+            try:
+                self.engine.add_request(text, ids, params, stream.request_id)
+            except Exception as e:  # a refused request: the caller's error
+                self.engine.abort_request(added)
+                if not isinstance(e, ValueError):
+                    return e
+                return InvalidRequestError(str(e), index, len(batch))
+            added.append(stream.request_id)
+        for _, _, _, stream in batch:
+            self._routes[stream.request_id] = stream
+        return None
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+        self.engine.abort_request(request_ids)
+
+    def _dispatch(self, outputs: list[RequestOutput], stats: StepStats) -> bool:
+        """(engine thread) Hand each output to its stream; run the stat loggers.
+
+        Returns True if a stream's loop was gone and its request was aborted.
+        """
+        self.last_stats = stats  # before any consumer can see this step's outputs
         it = IterationStats(now=time.monotonic())
+        orphans = []
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = self._routes.get(out.request_id)
             if stream is None:
                 continue  # aborted while this step ran
             self._record(stream, out, it)
-            stream.queue.put_nowait(out)
             if out.finished:
-                del self._streams[out.request_id]
-        self.last_stats = stats
+                del self._routes[out.request_id]
+            if out.error is not None:  # this request alone failed; it is already freed
+                self._hand_over(stream, _request_error(out))
+            elif not self._hand_over(stream, stream.delta(out)) and not out.finished:
+                orphans.append(out.request_id)
+        if orphans:
+            self._abort(orphans)
         for log in self.stat_loggers:
             log(stats, it)
+        return bool(orphans)
 
     @staticmethod
     def _record(stream: RequestStream, out: RequestOutput, it: IterationStats) -> None:
@@ -363,16 +491,16 @@ class AsyncLLM:
         if out.finished:
             it.finished.append((out.outputs[0].finish_reason or "abort", it.now - stream.arrival))
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        """Give every in-flight request ``error`` and refuse new ones with it."""
-        self.error = error
-        for stream in self._streams.values():
-            stream.queue.put_nowait(error)
-        self._streams.clear()
+
+def _request_error(out: RequestOutput) -> RequestError:
+    error = RequestError(f"request {out.request_id!r} failed and was aborted: "
+                         f"{type(out.error).__name__}: {out.error}")
+    error.__cause__ = out.error
+    return error
 
 
 def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
-    """(event loop) Finish a command's future, unless its caller gave up waiting."""
+    """(the future's loop) Finish a command's future, unless its caller gave up waiting."""
     if not future.done():
         if exc is None:
             future.set_result(None)

@@ -6,7 +6,7 @@ A FastAPI app over one :class:`~minivllm.engine.async_llm.AsyncLLM`:
 ``POST /v1/completions``   continue a prompt (OpenAI's completions API)
 ``POST /v1/chat/completions``  answer a conversation (the model's chat template)
 ``GET  /v1/models``        the one served model
-``GET  /health``           200 while the engine loop is alive, else 503 (no key needed)
+``GET  /health``           200 while the engine loop is alive, else 503
 ``POST /tokenize``         text or messages -> token ids
 ``POST /detokenize``       token ids -> text
 ``GET  /metrics``          Prometheus metrics (``minivllm:...``)
@@ -14,10 +14,13 @@ A FastAPI app over one :class:`~minivllm.engine.async_llm.AsyncLLM`:
 
 Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``:
 400 for a bad field or a prompt too long, 401 for a missing or wrong API key,
-404 for an unknown model, 503 when the waiting queue is full, 500 when the
-engine failed. The server binds to loopback unless told otherwise; with an API
-key, every path but ``/health`` needs ``Authorization: Bearer KEY`` (compared
-in constant time).
+404 for an unknown model, 413 for a body over ``--max-request-body-bytes``,
+503 when the waiting queue is full, 500 when the engine failed. The server
+binds to loopback unless told otherwise. With an API key (``--api-key`` or
+``$MINIVLLM_API_KEY``), every path needs ``Authorization: Bearer KEY``
+(compared in constant time) except :data:`OPEN_PATHS`: ``/health``,
+``/metrics``, ``/docs`` and ``/openapi.json`` stay open for health checks and
+Prometheus scrapers, as in vLLM, unless ``--api-key-all-paths`` guards them too.
 """
 
 from __future__ import annotations
@@ -25,17 +28,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
 from minivllm.entrypoints.openai.protocol import (
     APIError,
@@ -45,6 +50,8 @@ from minivllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("minivllm")
 
 
 class SSEResponse(StreamingResponse):
@@ -88,35 +95,117 @@ async def cancel_on_disconnect(request: Request, work):
 
 
 def _validation_message(e: RequestValidationError) -> str:
-    """Pydantic's first complaint, as ``field: what is wrong``."""
+    """Pydantic's first complaints, as ``field: what is wrong`` (each cut short)."""
     parts = []
     for err in e.errors()[:3]:
-        loc = ".".join(str(x) for x in err.get("loc", ())[1:]) or "body"
-        parts.append(f"{loc}: {err.get('msg')}")
+        loc = ".".join(str(x)[:40] for x in err.get("loc", ())[1:]) or "body"
+        parts.append(f"{loc}: {str(err.get('msg'))[:200]}")
     return "; ".join(parts)
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``llm`` as ``model_name``; metrics are registered on ``llm``."""
+#: Paths that stay open with ``--api-key`` (as vLLM, which guards ``/v1/*``):
+#: health checks and Prometheus scrapers carry no key. ``--api-key-all-paths``
+#: guards them too.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        "/openapi.json"})
+
+
+def _error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(APIError(status, message).body(), status_code=status)
+
+
+class AuthMiddleware:
+    """Refuse (401) a request without ``Authorization: Bearer KEY``, outside the open paths.
+
+    A pure ASGI middleware, so it also covers the routes FastAPI adds itself
+    (``/docs``, ``/openapi.json``) and unknown paths. The key is compared in
+    constant time (``hmac.compare_digest``).
+    """
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app, self.open_paths = app, open_paths
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
+                scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error_response(
+                    401, "invalid or missing API key: send the header "
+                         "'Authorization: Bearer <key>' with the server's --api-key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to a request body over ``max_bytes``, before anything parses it.
+
+    The body is read here (at most ``max_bytes`` + one chunk, whatever
+    ``Content-Length`` claims) and replayed to the app; after it, the app's
+    ``receive`` is the server's again, so a disconnect still reaches it.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = _error_response(
+            413, f"the request body is larger than the server's --max-request-body-bytes "
+                 f"({self.max_bytes} bytes)")
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await too_large(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await too_large(scope, receive, send)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
+              limits: ServingLimits | None = None,
+              api_key_all_paths: bool = False) -> FastAPI:
+    """The FastAPI app serving ``llm`` as ``model_name``; metrics are registered on ``llm``.
+
+    With ``api_key``, every path needs it except :data:`OPEN_PATHS`
+    (``/health``, ``/metrics``, ``/docs``, ``/openapi.json``), which need it
+    too with ``api_key_all_paths``.
+    """
+    limits = limits or ServingLimits()
     metrics = PrometheusStatLogger(model_name)
     llm.stat_loggers.append(metrics)
-    serving = OpenAIServing(llm, model_name)
+    serving = OpenAIServing(llm, model_name, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         await llm.shutdown()  # fail what is in flight, stop tensor-parallel workers
-
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key: send the header "
-                                "'Authorization: Bearer <key>' with the server's --api-key")
+        serving.close()
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
-    guarded = [Depends(check_key)]
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    if api_key is not None:  # added last, so it runs first: no key, no body read
+        app.add_middleware(AuthMiddleware, api_key=api_key,
+                           open_paths=frozenset() if api_key_all_paths else OPEN_PATHS)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -124,12 +213,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(APIError(400, _validation_message(e)).body(), status_code=400)
+        return _error_response(400, _validation_message(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(),
-                            status_code=e.status_code)
+        return _error_response(e.status_code, str(e.detail))
 
     async def respond(result) -> Response:
         if isinstance(result, Response):
@@ -138,16 +226,24 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
             return JSONResponse(result)
         return SSEResponse(result)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    def warn_ignored(req, path: str) -> None:
+        ignored = req.ignored_fields()
+        if ignored:  # names cut short: a body may carry junk keys
+            logger.warning("minivllm: %s: ignoring the unknown fields %s", path,
+                           ", ".join(repr(n[:60]) for n in ignored[:10]))
+
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
+        warn_ignored(req, "/v1/completions")
         return await respond(await cancel_on_disconnect(raw, serving.create_completion(req)))
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        warn_ignored(req, "/v1/chat/completions")
         return await respond(
             await cancel_on_disconnect(raw, serving.create_chat_completion(req)))
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": int(time.time()),
@@ -156,30 +252,28 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     @app.get("/health")
     async def health() -> Response:
         if llm.error is not None:
-            return JSONResponse(APIError(503, str(llm.error)).body(), status_code=503)
+            return _error_response(503, str(llm.error))
         return Response(status_code=200)
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
+        warn_ignored(req, "/tokenize")
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            tokens = serving.chat_prompt(req.messages, req.add_generation_prompt)
+            tokens = await serving.chat_prompt(req.messages, req.add_generation_prompt)
         else:
-            tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = await serving.encode(req.prompt, req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
+        warn_ignored(req, "/detokenize")
         serving.check_model(req.model)
-        vocab = llm.engine.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"tokens must be in [0, {vocab}), got {bad[:5]}", "tokens")
-        return {"prompt": llm.tokenizer.decode(req.tokens)}
+        return {"prompt": await serving.decode(req.tokens)}
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -205,11 +299,13 @@ def _uvicorn_server(app: FastAPI, log_level: str):
 
 
 def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, log_level: str = "warning") -> None:
+               api_key: str | None = None, log_level: str = "warning",
+               limits: ServingLimits | None = None, api_key_all_paths: bool = False) -> None:
     """Serve until SIGINT/SIGTERM (blocking). Prints the URL once it listens."""
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = _uvicorn_server(build_app(llm, model_name, api_key), log_level)
+    server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths),
+                             log_level)
     print(f"minivllm serve: {model_name!r} on {url} (OpenAI API at {url}/v1)", flush=True)
     server.run(sockets=[sock])
 
@@ -227,10 +323,11 @@ class ServerThread:
 
     @classmethod
     def start(cls, llm: AsyncLLM, model_name: str, host: str = "127.0.0.1",
-              api_key: str | None = None, timeout_s: float = 60.0) -> ServerThread:
+              api_key: str | None = None, timeout_s: float = 60.0,
+              limits: ServingLimits | None = None) -> ServerThread:
         """Start serving on a free port of ``host``; return once it accepts requests."""
         sock = bind(host, 0)
-        server = _uvicorn_server(build_app(llm, model_name, api_key), "warning")
+        server = _uvicorn_server(build_app(llm, model_name, api_key, limits), "warning")
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                   name="minivllm-server", daemon=True)
         thread.start()

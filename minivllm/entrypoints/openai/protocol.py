@@ -5,11 +5,17 @@ Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 extra sampling fields, which the ``openai`` client sends through
 ``extra_body``: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``. Unknown fields are refused (a misspelt
-``extra_body`` key would otherwise be silently ignored).
+``include_stop_str_in_output``. Unknown fields are accepted and ignored, as
+vLLM does (clients such as LangChain send fields minivllm has no use for); the
+server logs a warning naming them (:meth:`_Request.ignored_fields`). Fields
+that are known but not supported (``logit_bias``, ``echo``, ``suffix``) are a
+400, so nobody believes they took effect. ``NaN`` and ``Infinity`` (which
+Python's JSON parser accepts) are refused in every float field.
 
-Ranges are checked once, by :class:`SamplingParams` itself; its ``ValueError``
-becomes a 400 through :class:`APIError`.
+Sizes are capped by :class:`ServingLimits` (``minivllm serve --max-...``),
+checked before anything is tokenized. Ranges are checked once, by
+:class:`SamplingParams` itself; its ``ValueError`` becomes a 400 through
+:class:`APIError`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.sampling_params import SamplingParams
 
 #: Most completions one request may ask for (``n`` x number of prompts).
@@ -29,12 +36,12 @@ class APIError(Exception):
     """An error answered as OpenAI's error JSON with an HTTP status.
 
     ``status`` 400 (bad request), 401 (bad key), 404 (unknown model or path),
-    503 (overloaded), 500 (the engine failed).
+    413 (body too large), 503 (overloaded), 500 (the engine failed).
     """
 
     TYPES = MappingProxyType({400: "invalid_request_error", 401: "authentication_error",
-                              404: "not_found_error", 503: "service_unavailable",
-                              500: "internal_error"})
+                              404: "not_found_error", 413: "invalid_request_error",
+                              503: "service_unavailable", 500: "internal_error"})
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -46,18 +53,63 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request body: unknown fields are kept aside (and logged), NaN/inf refused."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The unknown fields of this body and of its nested bodies, as dotted paths."""
+        names = [prefix + name for name in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, _Request):
+                names += value.ignored_fields(f"{prefix}{name}.")
+        return names
+
+
+def check_prompt_chars(limits: ServingLimits, num_chars: int,
+                       field_name: str = "prompt") -> None:
+    """400 if a prompt of ``num_chars`` characters is over the cap."""
+    if num_chars > limits.max_prompt_chars:
+        raise APIError(400, f"{field_name} has {num_chars} characters, more than the "
+                            f"server's --max-prompt-chars {limits.max_prompt_chars}",
+                       field_name)
+
+def check_text(text: str, field_name: str = "prompt") -> None:
+    """400 if ``text`` is not valid Unicode: JSON's ``\\ud800`` escapes decode to a
+    lone surrogate, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{field_name} is not valid Unicode: a lone surrogate "
+                            f"{text[e.start]!a} at character {e.start}", field_name) from None
+
+
+def check_stop(limits: ServingLimits, stop: str | list[str] | None,
+               stop_token_ids: list[int] | None) -> None:
+    """400 if there are too many stop strings or ids, or one string is too long."""
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    for name, items in (("stop", strings), ("stop_token_ids", stop_token_ids or [])):
+        if len(items) > limits.max_stop_strings:
+            raise APIError(400, f"{name} has {len(items)} entries, more than the "
+                                f"server's --max-stop-strings {limits.max_stop_strings}", name)
+    longest = max(strings, key=len, default="")
+    if len(longest) > limits.max_stop_string_chars:
+        raise APIError(400, f"stop strings must have at most --max-stop-string-chars "
+                            f"{limits.max_stop_string_chars} characters, got one of "
+                            f"{len(longest)}", "stop")
+
+
+class StreamOptions(_Request):
     """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
 
-    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """The fields both endpoints share; ``to_sampling_params`` maps them."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -82,9 +134,17 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self) -> list[SamplingParams]:
         """One :class:`SamplingParams` per completion (``n`` of them)."""
+        self._check_n()
+        return [self.to_sampling_params(i) for i in range(self.n)]
+
+    def check_limits(self, limits: ServingLimits) -> None:
+        """400 if the request is bigger than the server allows (before tokenizing)."""
+        self._check_n()
+        check_stop(limits, self.stop, self.stop_token_ids)
+
+    def _check_n(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
-        return [self.to_sampling_params(i) for i in range(self.n)]
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -171,8 +231,12 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise APIError(400, f"only text content parts are supported, got "
-                                    f"{part.get('type')!r}", "messages")
-            parts.append(part.get("text", ""))
+                                    f"{str(part.get('type'))[:40]!r}", "messages")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise APIError(400, f"a text part's text must be a string, got "
+                                    f"{type(text).__name__}", "messages")
+            parts.append(text)
         return "".join(parts)
 
 
@@ -202,10 +266,9 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs, index)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """``POST /tokenize``: a ``prompt``, or chat ``messages`` through the template."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -213,9 +276,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     """``POST /detokenize``: token ids back to text."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]

@@ -13,7 +13,9 @@ Streaming is Server-Sent Events, as OpenAI::
     data: {"id": ..., "choices": [], "usage": {...}}      # with stream_options.include_usage
     data: [DONE]
 
-If the engine fails mid-stream the client receives ``data: {"error": ...}``.
+If the request fails on its own (the others go on) or the engine fails
+mid-stream, the client receives ``data: {"error": ...}``; before anything was
+streamed, a non-streamed request gets a 500 with OpenAI's error JSON.
 If the client hangs up, the stream is cancelled and every engine request
 behind it is aborted (its KV blocks freed).
 """
@@ -21,23 +23,31 @@ behind it is aborted (its KV blocks freed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from minivllm.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
+    InvalidRequestError,
     QueueFullError,
+    RequestError,
     RequestStream,
     StreamDelta,
 )
+from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.entrypoints.openai.protocol import (
     MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_prompt_chars,
+    check_text,
 )
 
 
@@ -52,36 +62,90 @@ class OpenAIServing:
     Args:
         llm: the async engine.
         model_name: the name clients must send as ``model`` (or leave out).
+        limits: the size caps checked before anything is tokenized.
+
+    Tokenizing and chat templating run on one worker thread (as vLLM's
+    tokenizer executor), never on the event loop: a long prompt must not stall
+    every other stream while it is tokenized.
     """
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str,
+                 limits: ServingLimits | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.limits = limits or ServingLimits()
         self.tokenizer = llm.tokenizer
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="minivllm-tokenizer")
+
+    def close(self) -> None:
+        """Stop the tokenizer thread."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the tokenizer thread, awaited."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool,
+                                          functools.partial(fn, *args, **kwargs))
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is the served model (None means the served model)."""
         if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
+            raise APIError(404, f"model {model[:100]!r} does not exist; this server serves "
                                 f"{self.model_name!r} (see GET /v1/models)", "model")
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def check_token_ids(self, ids: list[int], field_name: str, max_len: int) -> None:
+        """400 unless ``ids`` is at most ``max_len`` ids, each in the vocabulary
+        (the length first, so an over-long list costs no scan)."""
+        if len(ids) > max_len:
+            raise APIError(400, f"{field_name} has {len(ids)} tokens, more than {max_len}",
+                           field_name)
+        vocab = self.llm.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"{field_name} must be in [0, {vocab}), got {bad[:5]}",
+                           field_name)
+
+    async def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation through the model's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "messages")
         conv = [{"role": m.role, "content": m.text()} for m in messages]
+        check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
+        for m in conv:
+            check_text(m["content"], "messages")
+        return await self.off_loop(self._apply_chat_template, conv, add_generation_prompt)
+
+    def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """``prompt``'s token ids, after checking its length in characters."""
+        check_prompt_chars(self.limits, len(prompt))
+        check_text(prompt)
+        return await self.off_loop(self.tokenizer.encode, prompt,
+                                   add_special_tokens=add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (``/detokenize``), after checking their number and range."""
+        self.check_token_ids(ids, "tokens", self.limits.max_detokenize_tokens)
+        return await self.off_loop(self.tokenizer.decode, ids)
 
     # -- the two endpoints -----------------------------------------------------------
 
     async def create_completion(self, req: CompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
         self.check_model(req.model)
-        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p)
-                   for p in req.prompts()]
+        req.check_limits(self.limits)
+        texts = req.prompts()
+        if len(texts) * req.n > MAX_CHOICES:
+            raise APIError(400, f"len(prompt) * n must be at most {MAX_CHOICES}, got "
+                                f"{len(texts) * req.n}", "n")
+        # Token-id prompts are checked by the engine (length first, then the vocabulary).
+        prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=self.model_name,
                     top_n=req.logprobs or 0)
         return await self._create(req, prompts, kind)
@@ -89,7 +153,8 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
         self.check_model(req.model)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        req.check_limits(self.limits)
+        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt)
         kind = Kind("chatcmpl", "chat.completion", chat=True, model=self.model_name,
                     top_n=req.top_logprobs or 0)
         return await self._create(req, [prompt], kind)
@@ -98,52 +163,44 @@ class OpenAIServing:
 
     async def _create(self, req, prompts: list[list[int]], kind: Kind):
         params = req.sampling_params()
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise APIError(400, f"len(prompt) * n must be at most {MAX_CHOICES}, got "
-                                f"{len(prompts) * req.n}", "n")
-        streams = await self._add_all(kind.id, prompts, params)
+        batch = [(prompt, sp, f"{kind.id}-{p_idx}-{i}")
+                 for p_idx, prompt in enumerate(prompts) for i, sp in enumerate(params)]
+        try:
+            # One command for the whole request: its prompts x n start in the same step.
+            streams = await self.llm.add_requests(batch)
+        except InvalidRequestError as e:
+            where = f"prompt {e.index // len(params)}: " if len(prompts) > 1 else ""
+            raise APIError(400, where + e.reason, "prompt") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        except QueueFullError as e:
+            raise APIError(503, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(500, str(e)) from None
         num_prompt_tokens = sum(len(p) for p in prompts)
         if req.stream:
             return self._stream(streams, kind, num_prompt_tokens, req.include_usage())
         return await self._full(streams, kind, num_prompt_tokens)
 
-    async def _add_all(self, base_id: str, prompts, params) -> list[RequestStream]:
-        """Add every (prompt, completion) pair; on any failure abort those added."""
-        streams: list[RequestStream] = []
-        try:
-            for p_idx, prompt in enumerate(prompts):
-                for i, sp in enumerate(params):
-                    streams.append(await self.llm.add_request(prompt, sp,
-                                                              f"{base_id}-{p_idx}-{i}"))
-        except BaseException as e:
-            for s in streams:
-                await self.llm.abort(s.request_id)
-            if isinstance(e, ValueError):
-                where = f"prompt {p_idx}: " if len(prompts) > 1 else ""
-                raise APIError(400, where + str(e), "prompt") from None
-            if isinstance(e, QueueFullError):
-                raise APIError(503, str(e)) from None
-            if isinstance(e, EngineDeadError):
-                raise APIError(500, str(e)) from None
-            raise
-        return streams
-
     async def _full(self, streams: list[RequestStream], kind: Kind,
                     num_prompt_tokens: int) -> dict:
         """Wait for every completion; return the whole response."""
         texts = [""] * len(streams)
+        token_ids: list[list[int]] = [[] for _ in streams]
         logprobs: list[list] = [[] for _ in streams]
         last: list[StreamDelta | None] = [None] * len(streams)
         try:
-            async for i, d in merge(self.llm, streams):
-                texts[i] += d.text
-                logprobs[i] += d.logprobs or []
-                last[i] = d
-        except EngineDeadError as e:
+            async with contextlib.aclosing(merge(self.llm, streams)) as deltas:
+                async for i, d in deltas:
+                    texts[i] += d.text
+                    token_ids[i] += d.token_ids
+                    logprobs[i] += d.logprobs or []
+                    last[i] = d
+        except (EngineDeadError, RequestError) as e:
             raise APIError(500, str(e)) from None
         choices = []
         for i, d in enumerate(last):
-            lp = self._logprobs(kind, logprobs[i], d.output.outputs[0].token_ids) \
+            lp = self._logprobs(kind, logprobs[i], token_ids[i]) \
                 if d.logprobs is not None else None
             choice = {"index": i, "finish_reason": d.finish_reason, "logprobs": lp}
             if kind.chat:
@@ -165,19 +222,21 @@ class OpenAIServing:
                 yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}
                                  for i in range(len(streams))]))
-            async for i, d in merge(self.llm, streams):
-                # One chunk per engine step, even when its text is held back
-                # (a possible stop string) or incomplete: clients can count tokens.
-                num_out[i] = d.num_output_tokens
-                lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
-                body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
-                yield sse(chunk([{"index": i, **body, "logprobs": lp,
-                                  "finish_reason": d.finish_reason,
-                                  "stop_reason": d.stop_reason}]))
+            async with contextlib.aclosing(merge(self.llm, streams)) as deltas:
+                async for i, d in deltas:
+                    # One chunk per delta the client reads, even when its text is held
+                    # back (a possible stop string) or incomplete: a client keeping up
+                    # gets one per engine step; one that falls behind, merged deltas.
+                    num_out[i] = d.num_output_tokens
+                    lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
+                    body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
+                    yield sse(chunk([{"index": i, **body, "logprobs": lp,
+                                      "finish_reason": d.finish_reason,
+                                      "stop_reason": d.stop_reason}]))
             if include_usage:
                 yield sse(chunk([], usage(num_prompt_tokens, sum(num_out))))
             yield sse("[DONE]")
-        except EngineDeadError as e:
+        except (EngineDeadError, RequestError) as e:
             yield sse(APIError(500, str(e)).body())
 
     def _logprobs(self, kind: Kind, entries: list[dict], token_ids: list[int]) -> dict:
@@ -245,36 +304,32 @@ async def merge(llm: AsyncLLM, streams: list[RequestStream]
                 ) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Yield ``(index, delta)`` from several request streams as their deltas arrive.
 
-    One stream is iterated directly. Several get one pumping task each; if the
-    consumer stops early (a client hung up), the tasks are cancelled, which
-    aborts every engine request still running.
+    Each stream's next delta is fetched only once the consumer has taken the
+    previous one, so a consumer that falls behind leaves the deltas in their
+    streams, where they are merged (bounded), never in a queue here. If the
+    consumer stops early (a client hung up) and closes this generator, every
+    inner generator is closed explicitly, which aborts its engine request at
+    once rather than whenever garbage collection finalizes it.
     """
-    if len(streams) == 1:
-        async for d in llm.stream_outputs(streams[0]):
-            yield 0, d
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for d in llm.stream_outputs(stream):
-                queue.put_nowait((i, d))
-        except Exception as e:  # an engine failure: hand it to the consumer
-            queue.put_nowait((i, e))
-        queue.put_nowait((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    gens = [llm.stream_outputs(s) for s in streams]
+    pending: dict[asyncio.Future, int] = {}
     try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
+        if len(gens) == 1:  # no tasks needed
+            async for d in gens[0]:
+                yield 0, d
+            return
+        pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                d = task.result()  # an engine failure is raised here
+                yield i, d
+                if not d.finished:
+                    pending[asyncio.ensure_future(anext(gens[i]))] = i
     finally:
-        for t in tasks:
-            t.cancel()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
