@@ -134,9 +134,21 @@ def _write_partial_package(root: Path) -> None:
     pkg = root / "partial_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "activation.py").write_text("from minivllm.ref.activation import silu_and_mul\n")
-    # `import *` keeps only __all__: SIMULATES_ALL_RANKS is lost, so tp_linear must refuse.
-    (pkg / "linear.py").write_text("from minivllm.ref.linear import *  # noqa: F403\n")
+    (pkg / "activation.py").write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+
+        def silu_and_mul(x):
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+    """))
+    # Every class and method tp_linear names, but not the SIMULATES_ALL_RANKS constant.
+    classes: dict[str, list[str]] = {}
+    for f in get_task("tp_linear").functions:
+        cls, _, method = f.partition(".")
+        classes.setdefault(cls, []).append(method)
+    (pkg / "linear.py").write_text("".join(
+        f"class {c}:\n" + "".join(f"    def {m}(self): ...\n" for m in ms)
+        for c, ms in classes.items()))
 
 
 def test_missing_component_or_attribute_fails_the_task_naming_it(tmp_path, ref_only):
