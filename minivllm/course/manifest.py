@@ -191,18 +191,21 @@ _TASKS = (
           "VocabParallelEmbedding.forward", "ParallelLMHead.forward"),
          ("tests/course/test_task_tp_linear.py", "tests/test_linear.py"),
          10, ("docs/tensor_parallel.md", _T06), requires=("SIMULATES_ALL_RANKS",)),
+    Task("triton_decode", "Flash-decoding in Triton: the online softmax over a partition",
+         "attention", "attention_decode", ("_paged_decode_kernel",),
+         ("tests/course/test_task_triton_decode.py",),
+         10, (KERNELS, _T04), source="fast"),
+    Task("cpp_silu_and_mul", "A C++ CPU op: SiLU-and-mul through torch.utils.cpp_extension",
+         "activation", "cpp_activation", ("silu_and_mul",),
+         ("tests/course/test_task_cpp_silu_and_mul.py",),
+         5, (KERNELS, _T05, "minivllm/fast/cpu_ops.py"), source="fast",
+         csrc=("activation.cpp",), csrc_headers=("ops.h",)),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.
 TASKS: tuple[Task, ...] = tuple(
     replace(t, number=i) for i, t in enumerate(_TASKS, start=1)
 )
-
-#: Kernel tasks planned from ``minivllm/fast`` (stubs keep the launch code): the Triton
-#: flash-decoding kernel and the C++ op. They join :data:`TASKS` once their solution
-#: regions are marked; :mod:`minivllm.course.student` already handles ``source="fast"``.
-PLANNED = ("triton_decode: minivllm/fast/attention_decode.py", "cpp_op: the C++ extension op")
-
 
 def get_task(name: str) -> Task:
     """The task called ``name``; ``ValueError`` listing the names otherwise."""
