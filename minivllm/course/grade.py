@@ -6,7 +6,7 @@
    (:func:`scan_package`): a submission must not hand the grader the
    reference, or reach into the test harness.
 2. **Run.** The tasks' tests run in a child pytest process (the package is
-   imported there, fresh), each under a ``--timeout`` (60 s). The child
+   imported there, fresh), each under ``--test-timeout`` (60 s). The child
    streams each outcome, secret-tagged, into a file whose name and secret
    the parent makes up and hands over only after the child has started
    (:class:`minivllm.testing.pytest_plugin._CourseReport`); the parent reads
@@ -53,7 +53,7 @@ from minivllm.course.manifest import TASKS, Task, get_task, nodeid_matches, task
 #: The repository checkout that holds ``tests/`` (the grader needs the test suite).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-#: Seconds one test may run before it fails (``--timeout``).
+#: Seconds one test may run before it fails (``--test-timeout``).
 TEST_TIMEOUT = 60.0
 
 #: Imports a submission may not make: the reference and fast implementations, and the
@@ -257,7 +257,7 @@ def run_tests(package: str, tasks: list[Task], *, extra_tests: list[str] = (),
         hidden = _copy_extra_tests(list(extra_tests), tmp)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                "--continue-on-collection-errors", f"--rootdir={repo}", f"--backend={package}",
-               "-o", "addopts=", "--tb=no", "-rN", f"--timeout={test_timeout}"]
+               "-o", "addopts=", "--tb=no", "-rN", f"--test-timeout={test_timeout}"]
         cmd += [f"--task={t.name}" for t in tasks]
         if stop_early:
             cmd.append("-x")

@@ -21,7 +21,7 @@ the tests says where they are.
 For ``minivllm course grade``: ``--course-channel FD`` streams every test's
 outcome, secret-tagged, to a file the grader names only after this process
 has started (:class:`_CourseReport`); ``--course-done FILE`` skips tests a
-crashed run already finished; ``--timeout SECONDS`` fails a test that runs
+crashed run already finished; ``--test-timeout SECONDS`` fails a test that runs
 too long (SIGALRM, with a faulthandler backstop for hangs inside C code).
 """
 
@@ -61,7 +61,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="(for minivllm course grade) deselect the test ids listed in FILE, one a line",
     )
     parser.addoption(
-        "--timeout", default=0.0, type=float, metavar="SECONDS",
+        "--test-timeout", default=0.0, type=float, metavar="SECONDS",
         help="fail a test that runs longer than this (0: no limit; the grader uses 60)",
     )
 
@@ -77,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--course-channel") is not None:
         secret, path = _read_channel(config.getoption("--course-channel"))
         config.pluginmanager.register(_CourseReport(path, secret), "minivllm-course-report")
-    _TIMEOUT[0] = config.getoption("--timeout")
+    _TIMEOUT[0] = config.getoption("--test-timeout")
     spec = config.getoption("--backend")
     if spec != "ref" and not _has_cuda():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -296,11 +296,11 @@ def _read_channel(fd: int) -> tuple[bytes, str]:
 
 
 class TestTimeout(Exception):
-    """A test ran past ``--timeout`` seconds (raised inside it by SIGALRM)."""
+    """A test ran past ``--test-timeout`` seconds (raised inside it by SIGALRM)."""
 
 
 def _on_alarm(signum, frame) -> None:
-    raise TestTimeout(f"timed out: the test ran past {_TIMEOUT[0]:g} s (--timeout); an "
+    raise TestTimeout(f"timed out: the test ran past {_TIMEOUT[0]:g} s (--test-timeout); an "
                       f"infinite loop or a hang in the code under test?")
 
 
@@ -309,8 +309,8 @@ _TIMEOUT = [0.0]
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    """Backstop for ``--timeout``: a hang inside C code never returns to Python, so
-    faulthandler ends the whole process ``--timeout`` + 30 s into the test; the
+    """Backstop for ``--test-timeout``: a hang inside C code never returns to Python, so
+    faulthandler ends the whole process ``--test-timeout`` + 30 s into the test; the
     grader marks the running test failed and goes on in a fresh process."""
     timeout = _TIMEOUT[0]
     if timeout > 0:
@@ -324,7 +324,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    """Bound each test's call by ``--timeout`` seconds: SIGALRM raises
+    """Bound each test's call by ``--test-timeout`` seconds: SIGALRM raises
     :class:`TestTimeout` inside the test, and again every 2 s after, so that a
     hypothesis replay of the hanging example is interrupted too."""
     timeout = _TIMEOUT[0]
