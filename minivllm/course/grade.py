@@ -301,8 +301,12 @@ def run_tests(package: str, tasks: list[Task], *, extra_tests: list[str] = (),
             done.add(running)
             if killed or time.monotonic() >= deadline:
                 break
-        # Tests collected but never reported (a crash with no restart left) fail too.
-        for entry in report["tests"].values():
+        # Tests collected but never reported (a crash with no restart left) fail too;
+        # with stop_early they were only cut short by -x, after a failure: dropped.
+        for nodeid, entry in list(report["tests"].items()):
+            if "outcome" not in entry and stop_early:
+                del report["tests"][nodeid]
+                continue
             entry.setdefault("outcome", "failed")
             entry.setdefault("message", "did not run: the test process ended first")
     return report, "".join(outputs)
