@@ -25,7 +25,8 @@ BS = 4
 
 
 def _manager(num_blocks: int, caching: bool = True):
-    alloc = backend.get("block_allocator").BlockAllocator(num_blocks, BS, caching)
+    # The ref allocator: these tests grade the manager alone (course task 4), not Task 1's pool.
+    alloc = RefAllocator(num_blocks, BS, caching)
     return backend.get("kv_cache_manager").KVCacheManager(alloc), alloc
 
 

@@ -11,6 +11,7 @@ EXAMPLES = """examples:
     PYTHONPATH=hw minivllm course grade --backend minivllm_student
     PYTHONPATH=hw minivllm course grade --backend minivllm_student --task rms_norm
     minivllm course grade --backend PKG --path hw --extra-tests private_tests/ --json g.json
+    minivllm course grade --backend PKG --path hw --gradescope /autograder/results/results.json
     minivllm course submit hw/minivllm_student              # zip it for hand-in
     minivllm course selfcheck                               # every mutant must fail its task
 
@@ -41,12 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", action="append", default=None,
                    help="grade only this task (repeatable; default: every task)")
     p.add_argument("--path", action="append", default=["."],
-                   help="directory to put on PYTHONPATH (repeatable; default: .)")
+                   help="directory to put on PYTHONPATH, relative to this folder (repeatable; "
+                        "default: .)")
     p.add_argument("--extra-tests", action="append", default=[], metavar="DIR",
                    help="an instructor's private tests (files test_task_<name>.py or tests "
-                        "marked task_<name>)")
+                        "marked task_<name>); a failing one zeroes its task")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--junit", default=None, metavar="PATH", help="write JUnit XML")
+    p.add_argument("--gradescope", default=None, metavar="PATH",
+                   help="write Gradescope's autograder results.json")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a test running longer fails (default: %(default)s)")
 
     p = sub.add_parser("submit", help="zip a student package for hand-in")
     p.add_argument("package_dir", help="the package directory, e.g. hw/minivllm_student")
@@ -93,7 +99,8 @@ def _run(args: argparse.Namespace) -> int:
         from minivllm.course.grade import grade
 
         results, table = grade(args.backend, args.task, extra_tests=args.extra_tests,
-                               pythonpath=args.path, json_path=args.json, junit_path=args.junit)
+                               pythonpath=args.path, json_path=args.json, junit_path=args.junit,
+                               gradescope_path=args.gradescope, test_timeout=args.timeout)
         print(table)
         return 0 if all(r.score == r.points for r in results) else 1
     if args.action == "submit":

@@ -135,17 +135,28 @@ MUTANTS: tuple[Mutant, ...] = (
            "mine = (input_ids >= start) & (input_ids < start + rows)",
            "mine = (input_ids >= start) & (input_ids <= start + rows)",
            "a token id on a rank boundary is looked up by two ranks"),
+    Mutant("decode_acc_not_rescaled", "triton_decode", "attention_decode",
+           "acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)",
+           "acc = acc + _dot(p.to(v.dtype), v, DOT_MODE)",
+           "the online softmax rescales the sum of exps but not the accumulated values"),
+    Mutant("decode_tail_unmasked", "triton_decode", "attention_decode",
+           'scores = tl.where(valid[None, :], scores, float("-inf"))', "scores = scores",
+           "the last tile's padding positions join the softmax with score 0"),
+    Mutant("cpp_silu_sign", "cpp_silu_and_mul", "csrc/activation.cpp",
+           "g / (1.f + fast_exp(-g))", "g / (1.f + fast_exp(g))",
+           "silu(g) = g / (1 + exp(g)): the sign of the exponent"),
 )
 
 
 def apply(mutant: Mutant, package_dir: Path) -> None:
-    """Edit ``package_dir/<module>.py`` in place; ``ValueError`` if the mutant no longer applies."""
-    path = package_dir / f"{mutant.module}.py"
+    """Edit ``package_dir/<module>.py`` (or ``<module>`` itself, a C++ source such as
+    ``csrc/activation.cpp``) in place; ``ValueError`` if the mutant no longer applies."""
+    path = package_dir / (mutant.module if "." in mutant.module else f"{mutant.module}.py")
     text = path.read_text()
     found = text.count(mutant.find)
     if found != 1:
         raise ValueError(f"mutant {mutant.name}: {mutant.find!r} occurs {found} times in "
-                         f"{mutant.module}.py (must be once): update the mutant to the new ref")
+                         f"{path.name} (must be once): update the mutant to the new solution")
     path.write_text(text.replace(mutant.find, mutant.replace))
 
 

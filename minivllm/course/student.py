@@ -34,6 +34,8 @@ from minivllm.course.manifest import TASKS, Task
 
 BEGIN = "# BEGIN SOLUTION"
 END = "# END SOLUTION"
+CPP_BEGIN = "// BEGIN SOLUTION"
+CPP_END = "// END SOLUTION"
 _PACKAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ROOT = Path(__file__).resolve().parent.parent  # the minivllm package
 
@@ -101,11 +103,47 @@ def find_regions(text: str, path: str | Path) -> list[Region]:
     return regions
 
 
+def find_cpp_regions(text: str, path: str | Path) -> list[Region]:
+    """Every ``// BEGIN SOLUTION`` / ``// END SOLUTION`` region of a C++ source file."""
+    regions, begin = [], None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        marker = line.strip()
+        if marker == CPP_BEGIN:
+            if begin is not None:
+                raise ValueError(f"{path}:{i + 1}: {CPP_BEGIN} inside the region opened on "
+                                 f"line {begin + 1}")
+            begin = i
+        elif marker == CPP_END:
+            if begin is None:
+                raise ValueError(f"{path}:{i + 1}: {CPP_END} without a {CPP_BEGIN}")
+            indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
+            regions.append(Region(begin, i, indent, ""))
+            begin = None
+    if begin is not None:
+        raise ValueError(f"{path}:{begin + 1}: {CPP_BEGIN} is never closed by {CPP_END}")
+    return regions
+
+
+def csrc_path(task: Task, name: str) -> Path:
+    """Where a C++ source of ``task`` lives: ``minivllm/<source>/csrc/<name>``."""
+    return _ROOT / task.source / "csrc" / name
+
+
 def check_task_regions(task: Task) -> list[str]:
     """What is wrong with ``task``'s markers (an empty list when every region exists)."""
+    problems = []
+    for name in task.csrc:
+        path = csrc_path(task, name)
+        if not path.exists():
+            problems.append(f"task {task.name}: {path} does not exist")
+        elif not find_cpp_regions(path.read_text(), path):
+            problems.append(f"task {task.name}: {path} has no {CPP_BEGIN} / {CPP_END} regions")
     path = source_path(task.source, task.module)
     if not path.exists():
-        return [f"task {task.name}: {path} does not exist"]
+        return problems + [f"task {task.name}: {path} does not exist"]
+    if task.csrc:
+        return problems  # the Python module only builds and calls the C++ code
     regions = find_regions(path.read_text(), path)
     if not regions:
         return [f"task {task.name}: {path} has no {BEGIN} / {END} regions"]
@@ -114,20 +152,48 @@ def check_task_regions(task: Task) -> list[str]:
             for f in task.functions if f not in have]
 
 
-def _rewrite_imports(text: str, source: str, package: str) -> str:
-    """Point ``minivllm.<source>`` imports at the student package."""
-    text = re.sub(rf"\bminivllm\.{source}\.", f"{package}.", text)
-    return re.sub(rf"\bfrom minivllm\.{source} import\b", f"from {package} import", text)
+def stub_cpp(text: str, path: str | Path, task: Task) -> str:
+    """The student version of a C++ source: every region a ``TORCH_CHECK(false, ...)``."""
+    lines = text.splitlines(keepends=True)
+    for region in reversed(find_cpp_regions(text, path)):
+        what = (f"Task {task.number} ({task.name}): write this part of {Path(path).name}; see "
+                f"docs/course/{handout_name(task)}")
+        lines[region.begin : region.end + 1] = [f'{region.indent}TORCH_CHECK(false, "{what}");\n']
+    return "".join(lines)
+
+
+def solution_cpp(text: str, path: str | Path) -> str:
+    """The C++ solution with its marker lines dropped."""
+    find_cpp_regions(text, path)
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if line.strip() not in (CPP_BEGIN, CPP_END))
+
+
+def _rewrite_imports(text: str, source: str, package: str,
+                     modules: set[str] | None = None) -> str:
+    """Point ``minivllm.<source>`` imports at the student package.
+
+    With ``modules`` (the package's module names), ``minivllm.ref.X`` and
+    ``minivllm.fast.X`` are rewritten for those ``X`` only, so a fast module's
+    helpers that the package does not copy (``minivllm.fast._no_triton``) stay.
+    """
+    if modules is None:
+        text = re.sub(rf"\bminivllm\.{source}\.", f"{package}.", text)
+        return re.sub(rf"\bfrom minivllm\.{source} import\b", f"from {package} import", text)
+    names = "|".join(sorted(modules, key=len, reverse=True))
+    text = re.sub(rf"\bminivllm\.(?:ref|fast)\.({names})\b", rf"{package}.\1", text)
+    return re.sub(r"\bfrom minivllm\.(?:ref|fast) import\b", f"from {package} import", text)
 
 
 def stub_file(text: str, path: str | Path, package: str, tasks: tuple[Task, ...] = TASKS,
-              source: str = "ref") -> str:
+              source: str = "ref", modules: set[str] | None = None) -> str:
     """The student version of a solution file: every region a ``NotImplementedError``."""
     module = Path(path).stem
     owner = {f: t for t in tasks if t.module == module and t.source == source for f in t.functions}
     lines = text.splitlines(keepends=True)
     regions = find_regions(text, path)
-    if not regions and any(t.module == module and t.source == source for t in tasks):
+    if not regions and any(t.module == module and t.source == source and not t.csrc
+                           for t in tasks):
         raise ValueError(f"{path} has no {BEGIN} / {END} regions, but a task grades it")
     for region in reversed(regions):
         task = owner.get(region.function)
@@ -135,14 +201,15 @@ def stub_file(text: str, path: str | Path, package: str, tasks: tuple[Task, ...]
                 f"docs/course/{handout_name(task)}") if task else f"write {region.function}"
         stub = f'{region.indent}raise NotImplementedError("{what}")\n'
         lines[region.begin : region.end + 1] = [stub]
-    return _rewrite_imports("".join(lines), source, package)
+    return _rewrite_imports("".join(lines), source, package, modules)
 
 
-def solution_file(text: str, path: str | Path, package: str, source: str = "ref") -> str:
+def solution_file(text: str, path: str | Path, package: str, source: str = "ref",
+                  modules: set[str] | None = None) -> str:
     """The solution as a package of its own: the marker lines dropped, imports pointed at it."""
     find_regions(text, path)  # refuse malformed markers here too
     kept = [line for line in text.splitlines(keepends=True) if line.strip() not in (BEGIN, END)]
-    return _rewrite_imports("".join(kept), source, package)
+    return _rewrite_imports("".join(kept), source, package, modules)
 
 
 def _init_text(package: str, solution: bool, tasks: tuple[Task, ...]) -> str:
@@ -182,12 +249,22 @@ def make_student(dest: str | Path, package: str = "minivllm_student", solution: 
     for task in tasks:
         if task.source == "fast":
             sources[task.module] = ("fast", source_path("fast", task.module))
+    modules = set(sources)
     for module, (source, path) in sources.items():
         text = path.read_text()
         if solution:
-            out = solution_file(text, path, package, source)
+            out = solution_file(text, path, package, source, modules)
         else:
-            out = stub_file(text, path, package, tasks, source)
+            out = stub_file(text, path, package, tasks, source, modules)
         (pkg_dir / f"{module}.py").write_text(out)
+    # C++ tasks: their sources, stubbed, and the headers they include, under csrc/.
+    for task in tasks:
+        for name in task.csrc + task.csrc_headers:
+            src = csrc_path(task, name)
+            text = src.read_text()
+            if name in task.csrc:
+                text = solution_cpp(text, src) if solution else stub_cpp(text, src, task)
+            (pkg_dir / "csrc").mkdir(exist_ok=True)
+            (pkg_dir / "csrc" / name).write_text(text)
     (pkg_dir / "__init__.py").write_text(_init_text(package, solution, tasks))
     return pkg_dir

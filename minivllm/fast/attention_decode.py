@@ -154,6 +154,7 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # BEGIN SOLUTION
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)  # absolute token positions
         valid = pos < end
@@ -174,6 +175,7 @@ def _paged_decode_kernel(
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
         m_i = m_new
+    # END SOLUTION
 
     if SINGLE_PARTITION:  # the whole context was ours: finish here, no merge
         out = acc / l_i[:, None]

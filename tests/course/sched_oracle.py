@@ -27,12 +27,25 @@ EOS = 0
 
 
 def make_scheduler(block_size: int, num_blocks: int, max_num_seqs: int, budget: int,
-                   max_model_len: int, chunked: bool = True, caching: bool = True):
-    """The scheduler under test (``backend.get("scheduler")``)."""
-    return backend.get("scheduler").Scheduler(
-        SchedulerConfig(max_num_seqs, budget, max_model_len, chunked),
-        CacheConfig(block_size, num_blocks, caching),
-    )
+                   max_model_len: int, chunked: bool = True, caching: bool = True,
+                   kv_manager_only: bool = False):
+    """The scheduler under test (``backend.get("scheduler")``); with ``kv_manager_only``,
+    the ref scheduler and allocator around the KV cache manager under test."""
+    configs = (SchedulerConfig(max_num_seqs, budget, max_model_len, chunked),
+               CacheConfig(block_size, num_blocks, caching))
+    if kv_manager_only:
+        return ref_scheduler_with_kv_manager(*configs)
+    return backend.get("scheduler").Scheduler(*configs)
+
+
+def ref_scheduler_with_kv_manager(scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    """The ref scheduler and block allocator, with the KV cache manager under test: how the
+    KV manager task is graded without depending on the scheduler and allocator tasks."""
+    from minivllm.ref import scheduler as ref_scheduler
+
+    kv_cls = backend.get("kv_cache_manager").KVCacheManager
+    with backend.use_backend("ref"):
+        return ref_scheduler.Scheduler(scheduler_config, cache_config, kv_cache_manager_cls=kv_cls)
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
@@ -72,7 +85,8 @@ def check_pool(sched, num_blocks: int, step: int) -> None:
     assert len(free) + len(owners) == num_blocks, f"step {step}: a block leaked"
 
 
-def run_traffic(seed: int, caching: bool = True, steps: int = 80) -> dict[str, int]:
+def run_traffic(seed: int, caching: bool = True, steps: int = 80,
+                kv_manager_only: bool = False) -> dict[str, int]:
     """One deterministic random run; returns counts of the rare events it reached."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 3, 4])
@@ -81,7 +95,7 @@ def run_traffic(seed: int, caching: bool = True, steps: int = 80) -> dict[str, i
     budget = rng.randint(2, 16)
     max_num_seqs = rng.randint(2, 5)
     sched = make_scheduler(block_size, num_blocks, max_num_seqs, budget, max_model_len,
-                           caching=caching)
+                           caching=caching, kv_manager_only=kv_manager_only)
     contents = SlotContents()
     prefixes = [[rng.randint(1, 9) for _ in range(8)] for _ in range(2)]
     prompts: list[list[int]] = []

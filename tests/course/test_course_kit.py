@@ -134,9 +134,21 @@ def _write_partial_package(root: Path) -> None:
     pkg = root / "partial_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "activation.py").write_text("from minivllm.ref.activation import silu_and_mul\n")
-    # `import *` keeps only __all__: SIMULATES_ALL_RANKS is lost, so tp_linear must refuse.
-    (pkg / "linear.py").write_text("from minivllm.ref.linear import *  # noqa: F403\n")
+    (pkg / "activation.py").write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+
+        def silu_and_mul(x):
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+    """))
+    # Every class and method tp_linear names, but not the SIMULATES_ALL_RANKS constant.
+    classes: dict[str, list[str]] = {}
+    for f in get_task("tp_linear").functions:
+        cls, _, method = f.partition(".")
+        classes.setdefault(cls, []).append(method)
+    (pkg / "linear.py").write_text("".join(
+        f"class {c}:\n" + "".join(f"    def {m}(self): ...\n" for m in ms)
+        for c, ms in classes.items()))
 
 
 def test_missing_component_or_attribute_fails_the_task_naming_it(tmp_path, ref_only):
@@ -177,7 +189,7 @@ def test_stubs_score_zero_on_every_task_and_the_solution_full_marks(tmp_path, re
     assert table.splitlines()[-1] == f"score: 0/{sum(t.points for t in TASKS)}"
     for r in results:
         assert r.score == 0 and r.failed > 0, f"task {r.name}: a stub passed every test"
-        assert "NotImplementedError" in r.failures[0]["message"], r.failures[0]
+        assert f"Task {r.number} ({r.name})" in r.failures[0]["message"], r.failures[0]
     data = json.loads(json_path.read_text())
     assert data["score"] == 0 and len(data["tasks"]) == len(TASKS)
     suites = ET.parse(junit_path).getroot().findall("testsuite")
@@ -228,10 +240,19 @@ def test_host_leaderboard_times_a_package(tmp_path, monkeypatch):
 
 
 def test_extra_tests_join_their_task(tmp_path, ref_only):
+    """Hidden tests: a file named like the kit's own (no "import file mismatch"), or a
+    marker; a failing one lowers the score; a collection error is a failure too."""
     student.make_student(tmp_path, "kit_extra", solution=True)
     private = tmp_path / "private"
     private.mkdir()
-    (private / "test_task_silu_and_mul.py").write_text("def test_by_file_name():\n    pass\n")
+    (private / "helper.py").write_text("LIMIT = 3\n")
+    # The same name as tests/course/test_task_silu_and_mul.py.
+    (private / "test_task_silu_and_mul.py").write_text(textwrap.dedent("""
+        from helper import LIMIT
+
+        def test_by_file_name():
+            assert LIMIT == 3
+    """))
     (private / "test_hidden.py").write_text(textwrap.dedent("""
         import pytest
 
@@ -242,9 +263,57 @@ def test_extra_tests_join_their_task(tmp_path, ref_only):
         def test_of_no_task():
             assert False, "not graded"
     """))
-    results, table = grading.grade("kit_extra", ["silu_and_mul"], extra_tests=[str(private)],
-                                   pythonpath=[tmp_path])
-    (r,) = results
-    assert r.score == 0 and r.failed == 1 and r.passed == r.tests - 1
-    assert "the instructor's hidden check" in r.failures[0]["message"]
+    (private / "test_task_rms_norm.py").write_text("import no_such_module\n")
+    results, table = grading.grade("kit_extra", ["silu_and_mul", "rms_norm", "rope"],
+                                   extra_tests=[str(private)], pythonpath=[tmp_path])
+    silu, rms, rope = results
+    assert silu.score == 0 and silu.failed == 1 and silu.passed == silu.tests - 1, table
+    assert silu.passed == 3, "the kit's two tests and the hidden test_by_file_name ran"
+    assert "the instructor's hidden check" in silu.failures[0]["message"]
     assert "not graded" not in table
+    assert rms.score == 0 and "collection error" in rms.failures[0]["message"], table
+    assert rope.score == rope.points, "a hidden file of another task costs this one nothing"
+    # Without the hidden tests the same package has full marks: the hidden ones lowered it.
+    results, _ = grading.grade("kit_extra", ["silu_and_mul", "rms_norm"], pythonpath=[tmp_path])
+    assert all(r.score == r.points for r in results)
+
+
+def test_gradescope_results_and_partial_credit(tmp_path, ref_only):
+    student.make_student(tmp_path, "kit_gs", solution=True)
+    sched = tmp_path / "kit_gs" / "scheduler.py"  # a preemption bug: the scheduler loses points
+    sched.write_text(sched.read_text().replace("victim = self.running.pop()",
+                                               "victim = self.running.pop(0)"))
+    out = tmp_path / "results.json"
+    results, table = grading.grade("kit_gs", ["silu_and_mul", "scheduler"],
+                                   pythonpath=[tmp_path], gradescope_path=str(out))
+    data = json.loads(out.read_text())
+    names = [t["name"] for t in data["tests"]]
+    assert names == ["Task 9 (silu_and_mul)", "Task 5 (scheduler): rules",
+                     "Task 5 (scheduler): same decisions as the ref"], names
+    for t in data["tests"]:
+        assert {"name", "score", "max_score", "output", "visibility"} <= set(t)
+    assert data["score"] == sum(t["score"] for t in data["tests"]) == sum(
+        r.score for r in results)
+    sched_result = results[1]
+    assert [g["points"] for g in sched_result.groups] == [7, 8]
+    assert sched_result.score == sum(g["score"] for g in sched_result.groups) < 15, table
+
+
+def test_grade_from_another_folder_with_relative_paths(tmp_path, ref_only):
+    """PYTHONPATH=hw minivllm course grade ... works outside the checkout; pytest --task from
+    there says where the tests are."""
+    student.make_student(tmp_path / "hw", "kit_cwd", solution=True)
+    env = {**os.environ, "PYTHONPATH": f"hw{os.pathsep}{REPO}", "CI": "true"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from minivllm.cli import main; "
+         "sys.exit(main(sys.argv[1:]))", "course", "grade", "--backend", "kit_cwd",
+         "--task", "silu_and_mul", "--gradescope", "gs.json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stdout.splitlines()[-1] == "score: 2/2"
+    assert json.loads((tmp_path / "gs.json").read_text())["score"] == 2
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--backend=kit_cwd",
+         "--task=silu_and_mul"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert f"The course tests live in {REPO / 'tests'}" in run.stdout, run.stdout[-2000:]

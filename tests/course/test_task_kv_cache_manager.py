@@ -1,12 +1,24 @@
-"""Course task: the KV cache manager (prefix hits on admission, slots, hashing new blocks)."""
+"""Course task: the KV cache manager (prefix hits on admission, slots, hashing new blocks).
+
+The manager under test runs inside the ref scheduler, on the ref block allocator
+(``ref_scheduler_with_kv_manager``): this task does not depend on Tasks 1, 2 and 5.
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-from sched_oracle import make_scheduler, request, run_traffic
+from sched_oracle import make_scheduler, ref_scheduler_with_kv_manager, request, run_traffic
 
 from minivllm import backend
 from minivllm.prefix_hash import hash_request_tokens
+from minivllm.ref.block_allocator import BlockAllocator as RefAllocator
+from minivllm.testing.strategies import stateful_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the scheduler machine
+from test_scheduler import SchedulerMachine, check_pool  # noqa: E402
 
 
 def _step(sched, token: int = 5):
@@ -22,7 +34,7 @@ def test_generated_block_is_cached_under_its_parent():
     # must chain from the prompt block: a prompt that *starts* with [5, 5, 5, 5] has the
     # same tokens under another parent and must not hit it; a prompt with a's whole
     # history must hit both blocks.
-    sched = make_scheduler(4, 16, 4, 64, 32)
+    sched = make_scheduler(4, 16, 4, 64, 32, kv_manager_only=True)
     sched.add_request(request("a", [1, 2, 3, 4], 5))
     while "a" in sched.requests:
         _step(sched)
@@ -37,7 +49,7 @@ def test_generated_block_is_cached_under_its_parent():
 
 
 def test_a_full_hit_still_computes_the_last_token():
-    sched = make_scheduler(4, 16, 4, 64, 32)
+    sched = make_scheduler(4, 16, 4, 64, 32, kv_manager_only=True)
     sched.add_request(request("a", list(range(1, 9)), 1))
     _step(sched)
     sched.add_request(request("b", list(range(1, 9)), 1))
@@ -47,7 +59,7 @@ def test_a_full_hit_still_computes_the_last_token():
 
 
 def test_allocate_slots_refuses_without_side_effects():
-    alloc = backend.get("block_allocator").BlockAllocator(3, 2, True)
+    alloc = RefAllocator(3, 2, True)  # the ref pool: this task grades the manager alone
     kv = backend.get("kv_cache_manager").KVCacheManager(alloc)
     r = request("r", [1, 2, 3, 4, 5], 3)
     assert kv.get_computed_blocks(r) == ([], 0)
@@ -63,4 +75,33 @@ def test_allocate_slots_refuses_without_side_effects():
 
 @pytest.mark.parametrize("seed", range(100, 112))
 def test_prefix_hits_only_reuse_identical_prefixes(seed):
-    run_traffic(seed, caching=True)
+    run_traffic(seed, caching=True, kv_manager_only=True)
+
+
+def test_prefix_hit_leaves_one_token_to_compute():
+    sched = make_scheduler(4, 16, 4, 64, 32, kv_manager_only=True)
+    prompt = list(range(1, 9))  # exactly two full blocks
+    sched.add_request(request("first", prompt, 1))
+    _step(sched)  # computes both blocks and caches them; then finishes
+    sched.add_request(request("again", prompt, 1))
+    sched.add_request(request("longer", prompt + [50], 1))
+    out = sched.schedule()
+    again, longer = sched.requests["again"], sched.requests["longer"]
+    assert again.num_cached_tokens == 4 and out.num_scheduled_tokens["again"] == 4, (
+        "a fully cached prompt recomputes its last block (to get logits)")
+    assert longer.num_cached_tokens == 8 and out.num_scheduled_tokens["longer"] == 1
+    shared = sched.get_block_ids("longer")[0]
+    assert shared == sched.get_block_ids("again")[0]
+    assert sched.block_allocator.ref_count(shared) == 2
+    check_pool(sched, 16)
+
+
+class KVManagerMachine(SchedulerMachine):
+    """tests/test_scheduler.py's random traffic, against the ref, with only the KV manager
+    under test (the ref scheduler and allocator around it)."""
+
+    impl_class = staticmethod(ref_scheduler_with_kv_manager)
+
+
+TestKVManagerMachine = KVManagerMachine.TestCase
+TestKVManagerMachine.settings = stateful_settings(max_examples=200, step_count=50)

@@ -100,3 +100,20 @@ def test_random_batches(seed):
     want = _oracle(query, k_cache, v_cache, seqs, tables, scale)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4, msg=lambda m: (
         f"seqs (query_len, seq_len) = {seqs}, heads {heads}, block_size {block_size}: {m}"))
+
+
+@pytest.mark.parametrize("magnitude", [30.0, 300.0])
+def test_large_logits_do_not_overflow(magnitude):
+    """Scores of several hundred: exp() overflows float32 (past 88.7) unless the row's max
+    is subtracted first, and the result must still be softmax(q k^T * scale) v."""
+    seqs = [(3, 11), (1, 6), (4, 4)]
+    query, k_cache, v_cache, md, tables = _batch(seqs, 4, 2, 16, 4, seed=int(magnitude))
+    query = query * magnitude / 4  # scores ~ magnitude * |k| * scale: hundreds to thousands
+    scale = 16**-0.5
+    out = backend.get("attention").paged_attention(
+        query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), md.to(DEVICE), scale).cpu()
+    want = _oracle(query, k_cache, v_cache, seqs, tables, scale)
+    assert torch.isfinite(out).all(), (
+        f"scores up to {magnitude:g}x larger than usual give inf/NaN: is the row max "
+        f"subtracted before exp()?")
+    torch.testing.assert_close(out.double(), want, rtol=1e-3, atol=1e-3)

@@ -61,3 +61,29 @@ def test_min_p_threshold_is_inclusive():
     out = backend.get("sampler").apply_min_p(logits.clone(), torch.tensor([1.0, 0.5]))
     assert _kept(out[0]) == 4, "min_p=1 over equal tokens: every p equals min_p * p_max, kept"
     assert _kept(out[1]) == 4, "p = 0.2 = 0.5 * 0.4 sits on the threshold: kept"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_on_tied_logits_keeps_a_valid_set(seed):
+    """Logits rounded to halves: many exact ties. Any member of a tie group at the boundary
+    may be kept, so the test checks what top-p defines, not which tie was picked:
+    how many tokens are kept, their mass, and that no dropped token is more likely than
+    a kept one."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.round(torch.randn(6, 200, generator=g) * 6) / 2  # (N, V)
+    top_p = torch.tensor([0.05, 0.3, 0.5, 0.8, 0.95, 0.999])
+    out = backend.get("sampler").apply_top_p(logits.clone(), top_p)
+    for i, p in enumerate(top_p.tolist()):
+        probs = torch.softmax(logits[i].double(), dim=-1)
+        ranked = probs.sort(descending=True).values
+        before = ranked.cumsum(0) - ranked
+        expected = int((before < p).sum())  # tokens whose preceding mass is below p
+        kept = torch.isfinite(out[i])
+        assert int(kept.sum()) == expected, (
+            f"row {i}: top_p={p} keeps {int(kept.sum())} tokens, expected {expected}")
+        assert float(probs[kept].sum()) == pytest.approx(float(ranked[:expected].sum()),
+                                                         rel=1e-6), f"row {i}: kept mass"
+        if not kept.all():
+            assert logits[i][kept].min() >= logits[i][~kept].max(), (
+                f"row {i}: a dropped token is more likely than a kept one")
+        assert torch.equal(out[i][kept], logits[i][kept]), "kept logits must not change"
