@@ -2,7 +2,7 @@
 #   make test   create .venv, install everything, run the whole suite with both backends
 #   make demo   answer a chat prompt with the default model (SmolLM2-135M-Instruct)
 #   make docs   build the book into docs/_build/html, strictly (warnings are errors),
-#               executing every tutorial once, two at a time
+#               executing every tutorial once
 #   make docs-check  open the built book in headless Chromium (tests/test_docs_site.py)
 # CI runs `make test docs docs-check` (.ci/run).
 #

@@ -41,6 +41,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # figures sphinx-gallery captures from the open matplotlib figures.
 os.environ.setdefault("MINIVLLM_FIGURES", str(DOCS / "_build" / "tutorial-figures"))
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Without CUDA the tutorials run the Triton kernels in Triton's interpreter; it must be
+# chosen before anything imports Triton, and one process executes several tutorials.
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 project = "minivllm"
 author = "the minivllm authors"
@@ -68,8 +72,12 @@ sphinx_gallery_conf = {
     "ignore_pattern": r"^_|__init__\.py$",  # not the helper _figures.py
     "within_subsection_order": "FileNameSortKey",
     "abort_on_example_error": False,  # run them all, then fail the build listing each
-    # Each tutorial runs once; two at a time fill a 2-core CI machine.
-    "parallel": int(os.environ.get("MINIVLLM_DOCS_JOBS", "2")),
+    # Each tutorial runs once, one after the other by default. sphinx-gallery can run them
+    # in parallel (MINIVLLM_DOCS_JOBS=2), in joblib's loky worker processes, but there the
+    # tensor-parallel chapter's worker processes fail to start (multiprocessing inherits
+    # loky's start method), and the tutorials already use every core: chapter 06 starts
+    # rank processes, chapter 08 a server thread and its clients.
+    "parallel": int(os.environ.get("MINIVLLM_DOCS_JOBS", "1")),
     "download_all_examples": False,
     "show_signature": False,
     "remove_config_comments": True,
