@@ -1,18 +1,20 @@
-# %% [markdown]
-# # Tutorial 01: the paged KV cache, prefix caching and the scheduler
-#
-# In this tutorial you will:
-#
-# 1. measure how much KV-cache memory is wasted when every request reserves a
-#    contiguous `max_model_len` region, and how little is wasted with **paging**;
-# 2. hand out blocks with the **block allocator**, write a **block table** and
-#    compute the **slot mapping** that tells the model where each token's K/V go;
-# 3. watch two requests **share prefix blocks** (automatic prefix caching) and
-#    draw their block tables with the blocks' reference counts;
-# 4. run the real continuous-batching **scheduler** with a fake model and read
-#    its step log: chunked prefill, decodes in the same step, and a preemption.
-#
-# Everything here is host-side Python: no model, no GPU. It runs in seconds.
+"""
+01 · The paged KV cache, prefix caching and the scheduler
+=========================================================
+
+In this tutorial you will:
+
+1. measure how much KV-cache memory is wasted when every request reserves a
+   contiguous ``max_model_len`` region, and how little is wasted with **paging**;
+2. hand out blocks with the **block allocator**, write a **block table** and
+   compute the **slot mapping** that tells the model where each token's K/V go;
+3. watch two requests **share prefix blocks** (automatic prefix caching) and
+   draw their block tables with the blocks' reference counts;
+4. run the real continuous-batching **scheduler** with a fake model and read
+   its step log: chunked prefill, decodes in the same step, and a preemption.
+
+Everything here is host-side Python: no model, no GPU. It runs in seconds.
+"""
 
 # %%
 import math
@@ -36,21 +38,22 @@ from minivllm.request import Request
 rng = random.Random(0)
 
 # %% [markdown]
-# ## 1. Why page the KV cache?
+# 1. Why page the KV cache?
+# -------------------------
 #
 # Every token of every running request keeps a key and a value vector per layer
 # in GPU memory. A server does not know in advance how long an answer will be,
-# so the naive layout reserves `max_model_len` contiguous slots per request.
+# so the naive layout reserves ``max_model_len`` contiguous slots per request.
 # Most of that reservation is never used: a 300-token chat in a 4096-token
 # slot wastes 93% of it.
 #
 # Paging (vLLM's PagedAttention) cuts the cache into small blocks of
-# `block_size` token slots and gives a request one more block only when its
+# ``block_size`` token slots and gives a request one more block only when its
 # last one is full. The only waste left is the unfilled tail of each
-# request's last block: less than `block_size` slots per request.
+# request's last block: less than ``block_size`` slots per request.
 #
 # Let's measure it on a random workload: 256 requests with prompts of 20 to
-# 1000 tokens and outputs of 10 to 500 tokens, `max_model_len = 4096`.
+# 1000 tokens and outputs of 10 to 500 tokens, ``max_model_len = 4096``.
 
 # %%
 max_model_len = 4096
@@ -92,20 +95,26 @@ fig.savefig(figure_path("01_paged_kv_cache_waste.png"), dpi=110)
 print("saved 01_paged_kv_cache_waste.png")
 
 # %% [markdown]
+# **Figure 01.1.** Left: the share of reserved KV memory left unused when each request
+# finishes; right: how many requests fit in the same slots. Look at the contiguous bar
+# against the 16-token blocks: the waste drops to about 1% and the batch grows several
+# times; at 256-token blocks the waste climbs again.
+#
 # Paging with 16-token blocks wastes about 1% and fits several times
 # more requests in the same memory, which is where vLLM's throughput comes
 # from: bigger batches. Very large blocks (256) start to waste again; vLLM's
 # default is 16.
 #
-# ## 2. Block allocator, block table, slot mapping
+# 2. Block allocator, block table, slot mapping
+# ---------------------------------------------
 #
-# `BlockAllocator` (`minivllm/ref/block_allocator.py`) only does bookkeeping:
-# which of the `num_blocks` block ids are free and how many requests hold each
+# ``BlockAllocator`` (``minivllm/ref/block_allocator.py``) only does bookkeeping:
+# which of the ``num_blocks`` block ids are free and how many requests hold each
 # one. A request's **block table** lists its blocks in order. A token at
-# position `pos` lives in logical block `pos // block_size`, so its K/V slot
-# in the cache, seen as one flat array of `num_blocks * block_size` slots, is
+# position ``pos`` lives in logical block ``pos // block_size``, so its K/V slot
+# in the cache, seen as one flat array of ``num_blocks * block_size`` slots, is
 #
-# `slot = block_table[pos // block_size] * block_size + pos % block_size`
+# ``slot = block_table[pos // block_size] * block_size + pos % block_size``
 #
 # Each step the worker builds two tensors from its block tables: the padded
 # block tables (the attention kernel reads the context through them) and the
@@ -114,9 +123,9 @@ print("saved 01_paged_kv_cache_waste.png")
 #
 # Who keeps which record (as in vLLM v1): the scheduler's KV cache manager
 # keeps each request's block ids as a plain list and decides with it; the
-# `BlockTables` live in the worker, on the model's device (one per rank under
+# ``BlockTables`` live in the worker, on the model's device (one per rank under
 # tensor parallelism). Each step the scheduler sends only the changes, the
-# block ids each request gained (`SchedulerOutput.new_block_ids`) and the
+# block ids each request gained (``SchedulerOutput.new_block_ids``) and the
 # finished or preempted requests, and the worker applies them to its table.
 # Here we play the worker's part by hand.
 
@@ -138,14 +147,15 @@ print("decode of position 12 ->", tables.slot_mapping(["A"], [12], [1]).tolist()
 
 # %% [markdown]
 # Position 12 is the first token of A's 4th logical block, which the allocator
-# placed in physical block 5: slot `5 * 4 + 0 = 20`. Physical blocks need not
+# placed in physical block 5: slot ``5 * 4 + 0 = 20``. Physical blocks need not
 # be adjacent, or in order; only the block table knows.
 #
-# ## 3. Prefix caching: sharing blocks between requests
+# 3. Prefix caching: sharing blocks between requests
+# --------------------------------------------------
 #
 # Chat requests often start with the same system prompt. A full block is named
-# by a **chained hash**: `hash(parent block's hash, its own token ids)`, so a
-# block's name covers every token before it too (`minivllm/prefix_hash.py`).
+# by a **chained hash**: ``hash(parent block's hash, its own token ids)``, so a
+# block's name covers every token before it too (``minivllm/prefix_hash.py``).
 # When a request's blocks fill up they are entered in a hash table; a new
 # request looks up its own block hashes and reuses the longest hit, taking one
 # more reference on each block instead of recomputing it. It always leaves at
@@ -212,16 +222,21 @@ fig.savefig(figure_path("01_paged_kv_cache_prefix.png"), dpi=110)
 print("saved 01_paged_kv_cache_prefix.png")
 
 # %% [markdown]
+# **Figure 01.2.** Two block tables (top) pointing into the block pool (bottom), with
+# each block's reference count. Look at the first two entries of A and B: they point to
+# the same physical blocks, the shared system prompt, held twice.
+#
 # B's table starts with the same two physical blocks as A's: the system
 # prompt's K/V are stored once, with reference count 2. Only B's own 3 tokens
 # are computed. When both finish, the blocks go back to the free queue but keep
 # their hashes, so a third request with the same system prompt would hit them
 # again, until memory pressure recycles them.
 #
-# ## 4. The scheduler, step by step
+# 4. The scheduler, step by step
+# ------------------------------
 #
-# Each step the scheduler (`minivllm/ref/scheduler.py`) fills a **token budget**
-# (`max_num_batched_tokens`) with, in order:
+# Each step the scheduler (``minivllm/ref/scheduler.py``) fills a **token budget**
+# (``max_num_batched_tokens``) with, in order:
 #
 # 1. the **running** requests: 1 token for a decode, the next chunk for a long
 #    prompt. If the pool has no block left for one, the most recently admitted
@@ -272,7 +287,7 @@ while sched.has_unfinished_requests():
 # as the decodes of the others (chunked prefill keeps decodes flowing instead
 # of stalling them behind a long prompt). Once the 14 blocks run out, the
 # youngest running request is preempted (r3, then r2) and later re-admitted
-# to recompute its prompt and the tokens it had generated (`recompute`). Note
+# to recompute its prompt and the tokens it had generated (``recompute``). Note
 # that nothing is admitted in a step that preempted, and that the waiting queue
 # stays in order: r2 (preempted last) goes back in front of r3.
 
@@ -295,7 +310,22 @@ assert any(preempted), "the demo is meant to show a preemption"
 assert math.isclose(sched.num_free_blocks, 14)  # everything returned to the pool
 
 # %% [markdown]
-# ## Test it yourself
+# **Figure 01.3.** Each scheduler step: the tokens it scheduled (bars) against the token
+# budget (dashed), and the free blocks left after it (green). Look at the first steps,
+# where prompts fill the whole budget, at the dotted red lines, where the pool ran dry
+# and a request was preempted, and at the later bars, where the preempted requests are
+# prefilled again.
+#
+# What you built
+# --------------
+#
+# A paged KV cache on paper: the memory a contiguous reservation wastes against paging, the
+# block allocator with reference counts, block tables and slot mappings, two requests sharing
+# prefix blocks, and the real scheduler's step log with chunked prefill and a preemption.
+
+# %% [markdown]
+# The test command
+# ----------------
 #
 # Hypothesis state machines drive the allocator, the block tables and the
 # scheduler with random traffic (shared prefixes, tiny pools that force
@@ -303,27 +333,28 @@ assert math.isclose(sched.num_free_blocks, 14)  # everything returned to the poo
 # requests) and check the implementation under test against the ref twin, step
 # by step; run them against the readable twins and the fast ones:
 #
-# ```bash
-# pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py \
-#        tests/test_kv_cache_manager.py tests/test_prefix_hash.py --backend=ref
-# pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py \
-#        tests/test_kv_cache_manager.py tests/test_prefix_hash.py --backend=fast
-# ```
+# .. code-block:: bash
 #
-# and time the two twins against each other with `python -m minivllm.bench host`.
+#    pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py \
+#           tests/test_kv_cache_manager.py tests/test_prefix_hash.py --backend=ref
+#    pytest tests/test_block_allocator.py tests/test_block_table.py tests/test_scheduler.py \
+#           tests/test_kv_cache_manager.py tests/test_prefix_hash.py --backend=fast
+#
+# and time the two twins against each other with ``python -m minivllm.bench host``.
 
 # %% [markdown]
-# ## Your turn
+# The course task
+# ---------------
 #
-# Write the block pool yourself. `minivllm course make-student hw` copies every ref module into
-# `hw/minivllm_student/` with the bodies of `BlockAllocator.allocate`, `free` and `touch`
-# (task 1) and the prefix-cache methods (task 2) replaced by `NotImplementedError`. Fill them in
+# Write the block pool yourself. ``minivllm course make-student hw`` copies every ref module into
+# ``hw/minivllm_student/`` with the bodies of ``BlockAllocator.allocate``, ``free`` and ``touch``
+# (task 1) and the prefix-cache methods (task 2) replaced by ``NotImplementedError``. Fill them in
 # from the rules above: a shared block returns to the free queue only when its last owner frees
 # it, and a freed block keeps its hash until it is recycled.
 #
-# Handouts: `docs/course/` (one page per task). Test your package:
+# Handouts (task 1 ``allocator``: :doc:`/course/01_allocator`, task 2 ``prefix_caching``: :doc:`/course/02_prefix_caching`). Test your package:
 #
-# ```bash
-# minivllm course make-student hw
-# PYTHONPATH=hw pytest -q --backend=minivllm_student --task allocator --task prefix_caching
-# ```
+# .. code-block:: bash
+#
+#    minivllm course make-student hw
+#    PYTHONPATH=hw pytest -q --backend=minivllm_student --task allocator --task prefix_caching

@@ -1,19 +1,21 @@
-# %% [markdown]
-# # 03 · Continuous batching, chunked prefill and preemption
-#
-# A static batch waits for its slowest request. vLLM's scheduler instead decides
-# **every step** which requests run and how many tokens each computes:
-#
-# 1. running requests first (a decode needs 1 token; an unfinished prompt continues its chunk),
-# 2. then waiting requests in arrival order (FCFS), while the step's token budget
-#    (`max_num_batched_tokens`) and the cap on running requests (`max_num_seqs`) allow,
-# 3. a prompt longer than what is left of the budget is **chunked** across steps,
-#    and its chunks share a step with other requests' decodes,
-# 4. when the KV pool runs out, the most recently admitted request is **preempted**:
-#    its blocks are freed, it goes back to the front of the queue, and it is recomputed later.
-#
-# We run the real engine on the real default model (SmolLM2-135M) with a deliberately
-# tiny KV pool and token budget, record each step's decisions, and draw them.
+"""
+03 · Continuous batching, chunked prefill and preemption
+========================================================
+
+A static batch waits for its slowest request. vLLM's scheduler instead decides
+**every step** which requests run and how many tokens each computes:
+
+1. running requests first (a decode needs 1 token; an unfinished prompt continues its chunk),
+2. then waiting requests in arrival order (FCFS), while the step's token budget
+   (``max_num_batched_tokens``) and the cap on running requests (``max_num_seqs``) allow,
+3. a prompt longer than what is left of the budget is **chunked** across steps,
+   and its chunks share a step with other requests' decodes,
+4. when the KV pool runs out, the most recently admitted request is **preempted**:
+   its blocks are freed, it goes back to the front of the queue, and it is recomputed later.
+
+We run the real engine on the real default model (SmolLM2-135M) with a deliberately
+tiny KV pool and token budget, record each step's decisions, and draw them.
+"""
 
 # %%
 import matplotlib
@@ -67,7 +69,8 @@ print(f"{len(steps)} steps")
 print("preemptions:", [(s, p) for s, (_, p, _) in enumerate(steps) if p])
 
 # %% [markdown]
-# ## The timeline
+# The timeline
+# ------------
 #
 # Each row is a request, each column an engine step. Wide orange cells are prefill chunks
 # (their width in the colour scale is the number of prompt tokens computed in that step);
@@ -109,6 +112,11 @@ fig.savefig(figure_path("03_continuous_batching.png"), dpi=110)
 print("saved 03_continuous_batching.png")
 
 # %% [markdown]
+# **Figure 03.1.** Which request ran in each engine step: orange for a prefill chunk,
+# blue for a decode, a red x for a preemption. Look at the first steps, where one
+# prompt's chunk shares a step with other requests' decodes, and at the red marks, after
+# which the preempted request's prefill reappears.
+#
 # Things to notice:
 #
 # - In the first steps the budget of 48 tokens is shared: long prompts are split into chunks,
@@ -117,28 +125,39 @@ print("saved 03_continuous_batching.png")
 #   waiting ones take their place (that is *continuous* batching).
 # - When the pool is full the newest request is preempted (red x); it is recomputed later,
 #   and the prefix cache may give some of its blocks back for free.
+
+# %% [markdown]
+# What you built
+# --------------
 #
-# ## Check it yourself
+# The real engine on SmolLM2 with a deliberately tiny KV pool and token budget, and its
+# schedule drawn as a timeline: chunked prefill, decodes sharing steps with prefills,
+# preemption and recompute.
+
+# %% [markdown]
+# The test command
+# ----------------
 #
 # The scheduler's rules are tested against the reference implementation with random
 # interleavings of add / step / finish / abort and tiny pools:
 #
-# ```bash
-# pytest tests/test_scheduler.py tests/test_engine.py --backend=ref
-# pytest tests/test_scheduler.py --backend=fast
-# ```
+# .. code-block:: bash
+#
+#    pytest tests/test_scheduler.py tests/test_engine.py --backend=ref
+#    pytest tests/test_scheduler.py --backend=fast
 
 # %% [markdown]
-# ## Your turn
+# The course task
+# ---------------
 #
-# Write `Scheduler.schedule` (task 5) and the KV cache manager it calls (task 4). The tests
+# Write ``Scheduler.schedule`` (task 5) and the KV cache manager it calls (task 4). The tests
 # check the rules without the ref: the token budget, first come first served, chunked
 # prefill, preemption of the newest running request, no admission in a step that
 # preempted, and prefix hits that only reuse K/V computed for the very same tokens.
 #
-# Handouts: `docs/course/` (one page per task). Test your package:
+# Handouts (task 4 ``kv_cache_manager``: :doc:`/course/04_kv_cache_manager`, task 5 ``scheduler``: :doc:`/course/05_scheduler`). Test your package:
 #
-# ```bash
-# minivllm course make-student hw
-# PYTHONPATH=hw pytest -q --backend=minivllm_student --task kv_cache_manager --task scheduler
-# ```
+# .. code-block:: bash
+#
+#    minivllm course make-student hw
+#    PYTHONPATH=hw pytest -q --backend=minivllm_student --task kv_cache_manager --task scheduler

@@ -1,23 +1,25 @@
-# %% [markdown]
-# # 05 · Kernel fusion: residual add + RMSNorm in one pass
-#
-# Every decoder layer of a Llama does, twice:
-#
-# ```python
-# residual = x + residual        # the residual stream
-# y = rms_norm(residual) * w     # input of attention / of the MLP
-# ```
-#
-# Both are *memory-bound*: a handful of flops per element, so their time is
-# the time to move their bytes through memory. Eager PyTorch runs each op as
-# its own kernel, and each kernel reads its inputs from memory and writes its
-# output back. A fused kernel reads `x` and `residual` once, keeps the row in
-# registers, and writes the two results once.
-#
-# We (1) *count* the bytes each version moves, (2) check the Triton kernel
-# `minivllm.fast.layernorm.fused_add_rms_norm` against the ref, and (3) time
-# both on whatever device runs this script, saying which numbers are measured
-# and which are a model.
+"""
+05 · Kernel fusion: residual add + RMSNorm in one pass
+======================================================
+
+Every decoder layer of a Llama does, twice:
+
+.. code-block:: python
+
+   residual = x + residual        # the residual stream
+   y = rms_norm(residual) * w     # input of attention / of the MLP
+
+Both are *memory-bound*: a handful of flops per element, so their time is
+the time to move their bytes through memory. Eager PyTorch runs each op as
+its own kernel, and each kernel reads its inputs from memory and writes its
+output back. A fused kernel reads ``x`` and ``residual`` once, keeps the row in
+registers, and writes the two results once.
+
+We (1) *count* the bytes each version moves, (2) check the Triton kernel
+``minivllm.fast.layernorm.fused_add_rms_norm`` against the ref, and (3) time
+both on whatever device runs this script, saying which numbers are measured
+and which are a model.
+"""
 
 # %%
 import os
@@ -44,9 +46,10 @@ torch.manual_seed(0)
 print("device:", device, "(Triton interpreter for the kernel)" if device == "cpu" else "")
 
 # %% [markdown]
-# ## 1 · Count the bytes eager PyTorch moves
+# 1 · Count the bytes eager PyTorch moves
+# ---------------------------------------
 #
-# A `TorchDispatchMode` sees every ATen op the ref calls. We charge each op the
+# A ``TorchDispatchMode`` sees every ATen op the ref calls. We charge each op the
 # bytes of the tensors it reads plus the bytes of the tensors it writes: that
 # is what an unfused kernel costs when its operands do not stay in a cache.
 
@@ -89,7 +92,8 @@ print(f"eager: {len(counter.ops)} kernels, {eager_bytes / N:.1f} x N bytes; "
 # thousand elements, is one block, so the mean of squares is one in-register
 # reduction.)
 #
-# ## 2 · Same values as the ref
+# 2 · Same values as the ref
+# --------------------------
 #
 # An awkward shape (37 rows of 1000), in bf16. Rounding follows the ref: the
 # sum is rounded to bf16, the norm computed in float32 and rounded before the
@@ -111,9 +115,10 @@ torch.testing.assert_close(out.cpu(), ref_out, rtol=1.6e-2, atol=1.6e-2)
 torch.testing.assert_close(res.cpu(), ref_res)
 
 # %% [markdown]
-# ## 3 · Time
+# 3 · Time
+# --------
 #
-# On a GPU both versions are timed (`triton.testing.do_bench` medians). On a
+# On a GPU both versions are timed (``triton.testing.do_bench`` medians). On a
 # CPU the Triton kernel only runs in the interpreter, which says nothing about
 # speed, so we time the eager ref and set it against a **model** of the fused
 # kernel: its bytes divided by the copy bandwidth measured on the same machine.
@@ -168,7 +173,7 @@ for h in hiddens:
 # GPU each eager op streams at nearly full bandwidth, so the time ratio stays
 # close to the byte ratio. On a CPU it comes out several times larger (20x or
 # more on one core): there the eager ops are not limited by memory at
-# all. Converting bf16 to and from float32, `rsqrt` and the reduction cost
+# all. Converting bf16 to and from float32, ``rsqrt`` and the reduction cost
 # more CPU cycles per byte than one core can stream, so eager moves its bytes
 # at a fraction of the copy rate, while the model assumes the fused kernel
 # streams at the full rate. A native fused CPU kernel would convert in
@@ -204,27 +209,44 @@ fig.savefig(figure_path("05_kernel_fusion.png"), dpi=110)
 print("saved 05_kernel_fusion.png")
 
 # %% [markdown]
-# On a GPU the fused kernel should run close to `4 N / bandwidth`; the ratio
-# to eager is roughly the ratio of bytes moved. `python -m minivllm.bench
-# kernels` reports it on production shapes, with the other fused kernels
+# **Figure 05.1.** Left: the bytes that the nine eager ops of residual add + RMSNorm
+# move, in units of one tensor, against the fused kernel's four; right: the eager ref's
+# measured time against the fused kernel's floor (its bytes over this machine's measured
+# copy bandwidth). Look at the ratio of the two bars: it is the speed-up fusion can give
+# a memory-bound op. On a CPU the measured eager line also jumps where its intermediate
+# tensors outgrow the caches (chapter 07 explains that knee).
+#
+# On a GPU the fused kernel should run close to ``4 N / bandwidth``; the ratio
+# to eager is roughly the ratio of bytes moved. ``python -m minivllm.bench
+# kernels`` reports it on production shapes, with the other fused kernels
 # (SiLU-and-mul, RoPE, the cache write).
-#
-# ## Check it yourself
-#
-# ```
-# pytest -q tests/test_small_kernels.py --backend=fast
-# ```
 
 # %% [markdown]
-# ## Your turn
+# What you built
+# --------------
+#
+# Residual add and RMSNorm fused into one pass, checked against the unfused ops, with the
+# bytes each version moves and what that costs.
+
+# %% [markdown]
+# The test command
+# ----------------
+#
+# .. code-block:: text
+#
+#    pytest -q tests/test_small_kernels.py --backend=fast
+
+# %% [markdown]
+# The course task
+# ---------------
 #
 # Write the fused residual add + RMSNorm (task 7) and SiLU-and-mul (task 9). Then see where
 # your versions stand against the ref and the Triton twins:
-# `PYTHONPATH=hw minivllm bench kernels --backend minivllm_student` (on a GPU).
+# ``PYTHONPATH=hw minivllm bench kernels --backend minivllm_student`` (on a GPU).
 #
-# Handouts: `docs/course/` (one page per task). Test your package:
+# Handouts (task 7 ``fused_add_rms_norm``: :doc:`/course/07_fused_add_rms_norm`, task 9 ``silu_and_mul``: :doc:`/course/09_silu_and_mul`). Test your package:
 #
-# ```bash
-# minivllm course make-student hw
-# PYTHONPATH=hw pytest -q --backend=minivllm_student --task fused_add_rms_norm --task silu_and_mul
-# ```
+# .. code-block:: bash
+#
+#    minivllm course make-student hw
+#    PYTHONPATH=hw pytest -q --backend=minivllm_student --task fused_add_rms_norm --task silu_and_mul

@@ -1,24 +1,26 @@
-# %% [markdown]
-# # 06 · Tensor parallelism: one model, several devices
-#
-# A model too big (or too slow) for one GPU can be split *inside* each layer:
-# every GPU ("rank") holds a slice of every weight matrix, computes with its
-# slice, and the ranks exchange partial results twice per transformer layer.
-# This is Megatron-LM's tensor parallelism, the `tensor_parallel_size` of vLLM.
-#
-# You will learn:
-#
-# 1. how a **column-parallel** layer (split the output features) and a
-#    **row-parallel** layer (split the input features) chain together so that
-#    an MLP needs only ONE all-reduce;
-# 2. how attention heads are split, and why KV heads are *replicated* when
-#    there are more ranks than KV heads (GQA);
-# 3. how the same layers run for real, one process per rank, with
-#    `torch.distributed` (gloo on a CPU, NCCL on GPUs).
-#
-# Step 1 and 2 use `minivllm.ref.linear`, which *simulates* all ranks in one
-# process: `weight[r]` is what rank `r` holds, and the collectives are plain
-# torch sums and concatenations, so you can print everything.
+"""
+06 · Tensor parallelism: one model, several devices
+===================================================
+
+A model too big (or too slow) for one GPU can be split *inside* each layer:
+every GPU ("rank") holds a slice of every weight matrix, computes with its
+slice, and the ranks exchange partial results twice per transformer layer.
+This is Megatron-LM's tensor parallelism, the ``tensor_parallel_size`` of vLLM.
+
+You will learn:
+
+1. how a **column-parallel** layer (split the output features) and a
+   **row-parallel** layer (split the input features) chain together so that
+   an MLP needs only ONE all-reduce;
+2. how attention heads are split, and why KV heads are *replicated* when
+   there are more ranks than KV heads (GQA);
+3. how the same layers run for real, one process per rank, with
+   ``torch.distributed`` (gloo on a CPU, NCCL on GPUs).
+
+Step 1 and 2 use ``minivllm.ref.linear``, which *simulates* all ranks in one
+process: ``weight[r]`` is what rank ``r`` holds, and the collectives are plain
+torch sums and concatenations, so you can print everything.
+"""
 
 # %%
 import tempfile
@@ -38,14 +40,15 @@ from minivllm.ref import linear as ref_linear
 torch.manual_seed(0)
 
 # %% [markdown]
-# ## 1. An MLP on 4 ranks
+# 1. An MLP on 4 ranks
+# --------------------
 #
-# Llama's MLP is `down(silu(gate(x)) * up(x))`. vLLM fuses gate and up into
-# one `MergedColumnParallelLinear`: rank `r` holds rows `r*I/tp : (r+1)*I/tp`
-# of **both** `W_gate` and `W_up` (shape `(I, H)` each), so it can apply the
-# activation to its own slice with no communication. `down_proj` is a
-# `RowParallelLinear`: rank `r` holds the matching *columns* of `W_down`
-# (shape `(H, I)`), multiplies them with its slice of the activation and gets
+# Llama's MLP is ``down(silu(gate(x)) * up(x))``. vLLM fuses gate and up into
+# one ``MergedColumnParallelLinear``: rank ``r`` holds rows ``r*I/tp : (r+1)*I/tp``
+# of **both** ``W_gate`` and ``W_up`` (shape ``(I, H)`` each), so it can apply the
+# activation to its own slice with no communication. ``down_proj`` is a
+# ``RowParallelLinear``: rank ``r`` holds the matching *columns* of ``W_down``
+# (shape ``(H, I)``), multiplies them with its slice of the activation and gets
 # a partial sum of the full output. One all-reduce (sum over ranks) finishes it.
 
 # %%
@@ -82,8 +85,8 @@ print("max |per-rank + all-reduce - dense| =", (y - dense).abs().max().item())
 assert torch.allclose(y, dense, atol=1e-5)
 
 # %% [markdown]
-# The layers' own `forward` does exactly that loop and returns the output in
-# the dense layout, so the model code does not change with `tp_size`:
+# The layers' own ``forward`` does exactly that loop and returns the output in
+# the dense layout, so the model code does not change with ``tp_size``:
 
 # %%
 # The ref MergedColumnParallelLinear returns [gate | up] in dense order (its gather
@@ -93,14 +96,15 @@ assert torch.allclose(y_layers, dense, atol=1e-5)
 print("layers == dense:", torch.allclose(y_layers, dense, atol=1e-5))
 
 # %% [markdown]
-# ## 2. Attention heads, and replicated KV heads
+# 2. Attention heads, and replicated KV heads
+# -------------------------------------------
 #
-# Heads are independent, so `QKVParallelLinear` gives each rank
-# `num_heads / tp` query heads plus the KV heads they read. With grouped-query
+# Heads are independent, so ``QKVParallelLinear`` gives each rank
+# ``num_heads / tp`` query heads plus the KV heads they read. With grouped-query
 # attention there may be fewer KV heads than ranks: 8 query heads and 2 KV
-# heads on 4 ranks. Then each KV head is **replicated** on `tp / num_kv_heads`
+# heads on 4 ranks. Then each KV head is **replicated** on ``tp / num_kv_heads``
 # ranks, so every query head still finds its KV head locally (the KV cache
-# grows accordingly). A split that does not work raises a `ValueError` that
+# grows accordingly). A split that does not work raises a ``ValueError`` that
 # lists the sizes that do.
 
 # %%
@@ -129,7 +133,8 @@ smollm2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermed
 print("tp sizes that work for SmolLM2-135M:", valid_tp_sizes(smollm2))
 
 # %% [markdown]
-# ## The picture
+# The picture
+# -----------
 #
 # We let the layers draw their own split: load a weight whose every row (or
 # column) holds its own index, then read back which rank received which.
@@ -178,12 +183,20 @@ fig.savefig(figure_path("06_tensor_parallel.png"), dpi=110)
 print("saved 06_tensor_parallel.png")
 
 # %% [markdown]
-# ## 3. For real: one process per rank
+# **Figure 06.1.** Left: which rank holds each row of the column-parallel
+# ``gate_up_proj`` (gate above the black line, up below) and each column of the row-
+# parallel ``down_proj``; right: one decoder layer's data flow. Look at how the colours
+# of the two matrices line up, so each rank's MLP needs no communication, and at the
+# right: the only two collectives of a layer are the all-reduces after ``o_proj`` and
+# ``down_proj``.
 #
-# `minivllm.fast.linear` has the same classes, but each process holds only its
-# own shard and the collectives are real `torch.distributed` calls through
-# `minivllm.distributed` (`tensor_model_parallel_all_reduce`, `..._gather`).
-# `MultiprocExecutor` runs rank 0 in this process and starts `tp - 1` worker
+# 3. For real: one process per rank
+# ---------------------------------
+#
+# ``minivllm.fast.linear`` has the same classes, but each process holds only its
+# own shard and the collectives are real ``torch.distributed`` calls through
+# ``minivllm.distributed`` (``tensor_model_parallel_all_reduce``, ``..._gather``).
+# ``MultiprocExecutor`` runs rank 0 in this process and starts ``tp - 1`` worker
 # processes; every step it broadcasts the batch and the block-table changes
 # (one packed int64 tensor: each rank keeps its own block table, so the whole
 # tables never travel), and all ranks run the forward pass together. On this CPU each rank is a process
@@ -225,29 +238,42 @@ assert torch.allclose(logits_tp2, logits_tp1, atol=1e-4)
 # What to take away:
 #
 # - the only communication is two all-reduces per layer (plus one for the
-#   embedding and a gather of the logits); `python -m minivllm.bench tp`
+#   embedding and a gather of the logits); ``python -m minivllm.bench tp``
 #   measures their share of the step time;
 # - the KV cache is split too: each rank stores only its own KV heads;
-# - `tp_size` must split the heads and the MLP evenly (the vocabulary is padded).
+# - ``tp_size`` must split the heads and the MLP evenly (the vocabulary is padded).
+
+# %% [markdown]
+# What you built
+# --------------
+#
+# Column- and row-parallel layers, query heads sharded over ranks with KV heads replicated
+# where there are fewer of them, all checked against the dense layers, and the engine running
+# on real worker processes.
+
+# %% [markdown]
+# The test command
+# ----------------
 #
 # Test what this chapter taught (the layers against the dense layer for tp in
 # 1, 2, 4, and the executor against tp=1, including a killed worker):
 #
-# ```
-# pytest -q --backend=ref tests/test_linear.py tests/test_tp_engine.py
-# pytest -q --backend=fast tests/test_linear.py tests/test_tp_engine.py
-# ```
+# .. code-block:: text
+#
+#    pytest -q --backend=ref tests/test_linear.py tests/test_tp_engine.py
+#    pytest -q --backend=fast tests/test_linear.py tests/test_tp_engine.py
 
 # %% [markdown]
-# ## Your turn
+# The course task
+# ---------------
 #
 # Write the tensor-parallel layers (task 14): the shards each rank holds, the gather and the
 # all-reduce. The tests include more ranks than KV heads (each KV head replicated), token
 # ids on rank boundaries and a row-parallel bias that must be added once.
 #
-# Handouts: `docs/course/` (one page per task). Test your package:
+# Handouts (task 14 ``tp_linear``: :doc:`/course/14_tp_linear`). Test your package:
 #
-# ```bash
-# minivllm course make-student hw
-# PYTHONPATH=hw pytest -q --backend=minivllm_student --task tp_linear
-# ```
+# .. code-block:: bash
+#
+#    minivllm course make-student hw
+#    PYTHONPATH=hw pytest -q --backend=minivllm_student --task tp_linear
