@@ -248,19 +248,21 @@ fig.savefig(figure_path("07_custom_cpp_op.png"), dpi=110)
 # few rows is all fixed cost: dispatch, allocation, the Python wrapper, a few
 # microseconds); in the middle, while ``x`` and the output fit in the caches, the
 # C++ op streams at its best, several times the ref's rate; on the right both
-# fall, past the L2 and then the L3 line.
+# fall, well before the L3 line on a busy machine, whose other processes share
+# the L3, and to main memory's rate past it.
 #
 # That fall is the "knee" a plot of milliseconds shows as a jump (the time of
-# 4x the rows growing by far more than 4x). Two things cause it: the data no
-# longer fits in the cache, so every byte comes from main memory; and a large
-# tensor allocated afresh (the op's output, and each of the ref's intermediate
-# tensors: ``x²``, its mean, the scaled ``x``) is new memory from the operating
-# system, paid for with a page fault per 4 KiB page the first time it is
-# written. The reused-output line isolates the second: writing into the same
-# buffer every call keeps the C++ op several times faster at the largest size.
-# The ref, with its intermediate tensors, pays both costs first. This is why
-# the engine allocates its KV cache once and why fused kernels pay off twice on
-# a CPU: fewer bytes moved, and fewer fresh buffers.
+# 4x the rows growing by far more than 4x): once ``x`` and the output no longer
+# fit in the caches, every byte comes from main memory, several times slower.
+# The ref falls earlier and further because it moves more bytes than the
+# minimum: each of its intermediate tensors (``x²``, the mean, the scaled ``x``)
+# is written and read again, so its working set leaves the cache at fewer rows.
+# The two C++ lines differ only in where the output lives: a fresh tensor every
+# call, or one buffer reused. Where they part (on some runs, at the largest
+# sizes) it is the price of new memory: a large fresh buffer can come from the
+# operating system, which charges a page fault per 4 KiB page on first write.
+# This is why the engine allocates its KV cache once, and why fusing kernels
+# pays twice on a CPU: fewer bytes moved, and a smaller working set.
 
 # %% [markdown]
 # What you built

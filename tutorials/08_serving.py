@@ -136,13 +136,15 @@ fig.savefig(figure_path("08_serving_rate.png"), dpi=110)
 # %% [markdown]
 # **Figure 08.1.** p99 time to first token (left) and output throughput (right)
 # against the offered load, in units of the capacity the burst measured (the
-# vertical line). Look at both sides of the line. Below it, requests find free
-# room: TTFT stays near one prefill and throughput grows with the load, since
-# the server simply finishes what it is offered. Above it, requests arrive
-# faster than they finish and queue: p99 TTFT climbs steeply, and throughput
-# levels off near the burst's (dotted), the most this server can do. With only
-# 12 requests per pass the points are noisy on a busy machine; the shape, flat
-# then steep on the left and rising then flat on the right, is the lesson.
+# vertical line). Look at the left first: below and near the capacity, TTFT stays
+# near one prefill plus a little queueing; past it, requests arrive faster than
+# they finish and wait in the queue, and p99 TTFT climbs steeply. On the right,
+# below the capacity the server finishes exactly what it is offered, so
+# throughput grows with the load; on a quiet machine it then levels off near the
+# burst's rate (dotted), the most this server can do. On a shared machine whose
+# load changes during the run, the points past the line can rise above the
+# dotted line: then the machine got faster after the burst, not the server. With
+# 12 requests per pass every point is noisy; the shape is the lesson.
 #
 # "The highest rate that keeps p99 TTFT under 2 s" is how a server's capacity is
 # quoted (``minivllm bench serve --sweep ...`` finds it for you).
