@@ -117,3 +117,13 @@ def test_bad_shapes_raise() -> None:
         ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 9), w, None, False)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 8), w.float(), None, False)
+
+
+def test_ref_twin_is_the_textbook_matmul() -> None:
+    from minivllm.ref import linear as ref_linear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(781, 33, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 33, generator=g).to(torch.bfloat16)
+    b = torch.randn(781, generator=g).to(torch.bfloat16)
+    check(ref_linear.linear(x, w, b), x, w, b, rounded_before_bias=True)

@@ -67,7 +67,7 @@ from minivllm.tp_shards import (
 )
 
 __all__ = [
-    "linear", "GEMV_MAX_ROWS", "ColumnParallelLinear", "MergedColumnParallelLinear",
+    "linear", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
     "check_tp_size", "default_weight_loader", "divide", "divisors", "kv_head_partition",
     "qkv_tp_sizes", "vocab_partition",
