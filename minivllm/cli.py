@@ -36,7 +36,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--backend", default=None,
                    help="ref, fast, auto or an import path (default: $MINIVLLM_BACKEND or auto)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU and on CPUs with avx512_bf16/AMX, else "
+                   "float32), float32, float16 or bfloat16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=256)

@@ -44,8 +44,9 @@ class LLM:
         max_model_len: longest prompt + output; defaults to the model's
             ``max_position_embeddings``.
         enable_prefix_caching: reuse cached KV blocks of shared prefixes.
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"``,
-            ``"float16"`` or ``"bfloat16"``.
+        dtype: ``"auto"`` (bfloat16 on GPU and on a CPU with native bf16 dot
+            products, avx512_bf16 or AMX; float32 on other CPUs; see
+            :mod:`minivllm.dtype`), ``"float32"``, ``"float16"`` or ``"bfloat16"``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         seed: seed of the generator shared by requests without a seed.
         kv_cache_memory: KV pool size in bytes on a CPU.

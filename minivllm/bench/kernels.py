@@ -12,6 +12,11 @@ block_size 16), prefill attention (4 x 256 tokens, against SDPA on the same
 dense work), the norms, SiLU-and-mul, RoPE and the cache write at 2048 tokens.
 The copy bandwidth is a 256 MiB ``copy_`` (bytes read + written), so GB/s
 fractions say how close each kernel gets to the memory system's limit.
+The decode-shaped linear (the fast ``linear`` twin's C++ GEMV, one token row
+times SmolLM2's 49152 x 576 bf16 LM head, 56 MB: larger than the caches) is
+timed against ``F.linear`` (oneDNN) in the ref's column, and its GB/s (weight
+bytes / time) against the *read* bandwidth measured in the same run (a
+``sum`` over 256 MiB of float32, bytes read / time), because a GEMV only reads.
 
 On a CUDA device it times the Triton twin on production-like shapes
 (``triton.testing.do_bench`` medians) and reports:
@@ -58,7 +63,8 @@ SHAPES = {
                  cache=(5, 2, 16, 4), copy_bytes=2**20),
     "cpu": dict(decode=(64, 1024, 9, 3, 64, 16), prefill=(4, 256, 9, 3, 64, 16),
                 norm=(2048, 576), silu=(2048, 1536), rope=(2048, 9, 3, 64, 8192),
-                cache=(2048, 3, 64, 16), copy_bytes=2**28, dtype=torch.float32),
+                cache=(2048, 3, 64, 16), copy_bytes=2**28, dtype=torch.float32,
+                gemv=(1, 576, 49152)),
 }  # fmt: skip
 
 
@@ -98,6 +104,13 @@ def copy_bandwidth(device: str, n: int = 2**30) -> float:
     dst = torch.zeros_like(src)
     ms = _bench(lambda: dst.copy_(src))
     return 2 * n / (ms * 1e-3)
+
+
+def read_bandwidth(device: str, n: int = 2**30) -> float:
+    """Bytes/s of reading ``n`` bytes (a float32 ``sum``: one add per 4 bytes read)."""
+    src = torch.ones(n // 4, dtype=torch.float32, device=device)
+    ms = _bench(lambda: src.sum())
+    return n / (ms * 1e-3)
 
 
 def _paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, device):
@@ -279,6 +292,27 @@ def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
                 dict(shape=f"T{tokens} H_kv{kv_heads} d{d} {_name(dtype)} bs{bs}"))  # fmt: skip
 
 
+def bench_gemv(read_bw: float, shapes: dict) -> dict:
+    """The decode-shaped linear on a CPU: the C++ GEMV against F.linear (oneDNN), bf16."""
+    import torch.nn.functional as F
+
+    from minivllm.fast import linear as fast_linear
+
+    m, k, n = shapes["gemv"]
+    w = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    err = _err(fast_linear.linear(x, w), F.linear(x, w))
+    t_fast = _bench(lambda: fast_linear.linear(x, w))
+    t_ref = _bench(lambda: F.linear(x, w))
+    nbytes = w.numel() * 2 + (x.numel() + m * n) * 2  # weights read once, x read, y written
+    row = _row("GEMV (linear, M=1)", t_ref, t_fast, err, nbytes,
+               dict(shape=f"M{m} K{k} N{n} bf16", oneDNN_GBps=nbytes / (t_ref * 1e-3),
+                    read_GBps=read_bw, read_fraction=nbytes / (t_fast * 1e-3) / read_bw,
+                    avx512_bf16=bool(__import__("minivllm.fast.cpu_ops", fromlist=["ops"])
+                                     .ops().gemv_has_avx512_bf16())))  # fmt: skip
+    return row
+
+
 # ----------------------------------------------------------------------------- report
 def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
                 package: str | None = None) -> dict:
@@ -300,6 +334,7 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
         fast = {n: getattr(pkg, n, None) or importlib.import_module(f"{fast_path}.{n}")
                 for n in ref}
     bw = copy_bandwidth(device, shapes["copy_bytes"])
+    read_bw = read_bandwidth(device, shapes["copy_bytes"]) if "gemv" in shapes else None
     rows = []
     cases = [
         ("decode", lambda: bench_decode(ref["attention"], fast["attention"], bw, device, shapes)),
@@ -310,6 +345,8 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
         ("cache", lambda: bench_cache_write(ref["cache_write"], fast["cache_write"], device,
                                             shapes)),
     ]  # fmt: skip
+    if "gemv" in shapes and not package:  # the CPU's decode-shaped linear
+        cases.append(("gemv", lambda: bench_gemv(read_bw, shapes)))
     errors = {}
     for name, case in cases:
         try:
@@ -321,7 +358,7 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
         if device == "cuda":
             torch.cuda.empty_cache()
     for r in rows:  # every memory-bound kernel against the same copy
-        if "fast_GBps" in r:
+        if "fast_GBps" in r and "read_fraction" not in r:
             r["bandwidth_fraction"] = r["fast_GBps"] / bw
     if device == "cuda":
         name, label = torch.cuda.get_device_name(), "Triton"
@@ -334,20 +371,25 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
     if package:
         label = package[:10]
     return dict(cuda=device == "cuda", device=name, fast_label=label, copy_GBps=bw / 1e9,
-                rows=rows, errors=errors, candidate=package or "fast")
+                read_GBps=None if read_bw is None else read_bw / 1e9, rows=rows, errors=errors, candidate=package or "fast")
 
 
 def print_table(result: dict) -> None:
     if not result["rows"]:
         return
     label = result.get("fast_label", "fast")
+    read = result.get("read_GBps")
     print(f"\nminivllm bench kernels on {result['device']}; measured copy bandwidth "
-          f"{result['copy_GBps']:.1f} GB/s")  # fmt: skip
+          f"{result['copy_GBps']:.1f} GB/s" + (f", read bandwidth {read:.1f} GB/s" if read else ""))
     print(f"{'kernel':<20}{'ref ms':>9}{label + ' ms':>14}{'speed-up':>10}{label + ' GB/s':>16}"
           f"  notes")  # fmt: skip
     for r in result["rows"]:
         notes = []
-        if "bandwidth_fraction" in r:
+        if "read_fraction" in r:
+            notes.append(f"{100 * r['read_fraction']:.0f}% of read bandwidth; oneDNN "
+                         f"{r['oneDNN_GBps'] / 1e9:.1f} GB/s; "
+                         f"{'AVX-512 BF16' if r['avx512_bf16'] else 'portable FMA path'}")
+        elif "bandwidth_fraction" in r:
             notes.append(f"{100 * r['bandwidth_fraction']:.0f}% of copy bandwidth")
         if "sdpa_over_fast" in r:
             notes.append(f"SDPA/{label} time {r['sdpa_over_fast']:.2f} "

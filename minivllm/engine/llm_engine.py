@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig, _require, cdiv
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.dtype import resolve_dtype  # noqa: F401  (re-exported: callers import it here)
 from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
@@ -35,22 +36,6 @@ from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, Samp
 
 logger = logging.getLogger("minivllm")
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"`` is float32 on a CPU (fastest there) and bfloat16 on a GPU."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -31,7 +31,16 @@ Why it is faster: each rank reads ``1/tp_size`` of the weights per token, and
 decode is bound by weight reads, so with fast links the step time drops
 nearly ``tp_size``-fold (the all-reduces are ``2 * num_layers`` small
 messages of ``T * hidden`` elements). With ``tp_size=1`` no process group is
-needed and every layer is a plain ``F.linear`` / ``F.embedding``.
+needed and every layer is a plain matmul / ``F.embedding``.
+
+The matmul itself is :func:`linear`: ``F.linear`` (oneDNN/MKL on a CPU,
+cuBLAS on CUDA), except for decode-shaped inputs on a CPU. With at most
+:data:`GEMV_MAX_ROWS` token rows and bf16 weights, the C++ op
+``torch.ops.minivllm.linear_small_m`` (``csrc/gemv.cpp``) reads each weight
+row once at memory bandwidth and does all the rows' arithmetic while it sits
+in L1: AVX-512 BF16 dot products where the CPU has them, float32 FMAs
+elsewhere. A GEMM library tiles for a reuse that one row does not have. The
+fused QKV and gate/up weights stay fused: one call streams the whole matrix.
 
 A layer learns its rank from :func:`minivllm.distributed.get_tp_rank` when it
 is built, so build it after :func:`minivllm.distributed.init_distributed`
@@ -58,7 +67,7 @@ from minivllm.tp_shards import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "MergedColumnParallelLinear",
+    "linear", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
     "check_tp_size", "default_weight_loader", "divide", "divisors", "kv_head_partition",
     "qkv_tp_sizes", "vocab_partition",
@@ -66,6 +75,45 @@ __all__ = [
 
 #: False: one process per rank (see :func:`minivllm.engine.executor.simulates_all_ranks`).
 SIMULATES_ALL_RANKS = False
+
+
+#: Token rows up to which a bf16 linear on a CPU runs the C++ GEMV (above: oneDNN/MKL).
+GEMV_MAX_ROWS = 16
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True if ``linear(x, weight)`` should run the C++ small-M kernel."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.shape[1]:
+        return False
+    if x.numel() > GEMV_MAX_ROWS * weight.shape[1] or torch.compiler.is_compiling():
+        return False
+    from minivllm.fast import cpu_ops
+
+    return cpu_ops.available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           portable: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias``, ``(..., K) -> (..., N)``: ``F.linear``, or the GEMV for few rows.
+
+    On a CPU with bf16 weights and at most :data:`GEMV_MAX_ROWS` rows it calls
+    ``torch.ops.minivllm.linear_small_m`` (float32 accumulation; the output has
+    ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
+    that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
+    """
+    if not _gemv_applies(x, weight):
+        return F.linear(x, weight, bias)
+    from minivllm.fast import cpu_ops
+
+    rows = x.reshape(-1, x.shape[-1])  # (M, K); a view where x's rows allow it
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)  # (M, N)
+    cpu_ops.ops().linear_small_m(out, rows, weight.contiguous(),
+                                 None if bias is None else bias.contiguous(), portable)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _this_rank(tp_size: int) -> int:
@@ -117,7 +165,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out / tp)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.gather_output:
             y = distributed.tensor_model_parallel_all_gather(y, dim=-1)  # (T, out)
         return y
@@ -238,7 +286,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:  # a full input: take this rank's features
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
-        y = F.linear(x, self.weight)  # (T, out): this rank's partial sum
+        y = linear(x, self.weight)  # (T, out): this rank's partial sum
         y = distributed.tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
@@ -315,7 +363,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (T, dim) -> (T, vocab)
-        logits = F.linear(hidden, self.weight, self.bias)  # (T, V_r)
+        logits = linear(hidden, self.weight, self.bias)  # (T, V_r)
         logits = distributed.tensor_model_parallel_gather(logits, dst=0, dim=-1)
         if logits is None:  # not rank 0
             return None

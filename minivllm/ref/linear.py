@@ -73,7 +73,7 @@ from minivllm.tp_shards import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "MergedColumnParallelLinear",
+    "linear", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
     "check_tp_size", "default_weight_loader", "divide", "divisors", "kv_head_partition",
     "qkv_tp_sizes", "vocab_partition",
@@ -87,6 +87,17 @@ SIMULATES_ALL_RANKS = True
 # --------------------------------------------------------------------------
 # Column-parallel layers: split the output features
 # --------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           portable: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias``, ``(..., K) -> (..., N)``: the textbook matmul.
+
+    The fast twin runs a C++ GEMV here for decode-shaped inputs on a CPU;
+    ``portable`` selects that kernel's fallback path and means nothing here.
+    """
+    y = x @ weight.T  # (..., N)
+    return y if bias is None else y + bias
 
 
 class ColumnParallelLinear(nn.Module):

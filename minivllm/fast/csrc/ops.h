@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 namespace minivllm {
 
@@ -119,5 +120,8 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,
 void silu_and_mul(at::Tensor& out, const at::Tensor& input);
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       const at::Tensor& cos_sin_cache, bool is_neox);
+void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias, bool portable);
+bool gemv_has_avx512_bf16();
 
 }  // namespace minivllm

@@ -24,6 +24,11 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
+  m.def(
+      "linear_small_m(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias, "
+      "bool portable) -> ()");
+  // No tensors: a plain function, the same on every device.
+  m.def("gemv_has_avx512_bf16() -> bool", &minivllm::gemv_has_avx512_bf16);
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -33,4 +38,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("fused_add_rms_norm", &minivllm::fused_add_rms_norm);
   m.impl("silu_and_mul", &minivllm::silu_and_mul);
   m.impl("rotary_embedding", &minivllm::rotary_embedding);
+  m.impl("linear_small_m", &minivllm::linear_small_m);
 }

@@ -1,0 +1,129 @@
+"""The fast ``linear`` twin's small-M C++ kernel (``minivllm/fast/csrc/gemv.cpp``).
+
+Oracle: a float64 matmul of the same bf16 weights (and the same activations,
+rounded to the activation dtype). Awkward shapes: every M from 1 to 17 (17
+goes to ``F.linear``), K and N that are not multiples of 16 or 32, so a kernel
+that drops or double-counts a tail element fails. Both the compiled path
+(AVX-512 BF16 where the CPU has it) and the portable float32-FMA path run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.fast import cpu_ops
+from minivllm.fast import linear as fast_linear
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(),
+                                reason=f"C++ CPU ops unavailable: {cpu_ops.unavailable_reason()}")
+
+SHAPES = [(576, 1537), (1823, 781), (33, 17), (7, 1), (64, 576)]  # (K, N)
+
+
+def oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b=None,
+          rounded_before_bias: bool = False) -> None:
+    """Within the rounding of the output dtype plus fp32 accumulation over K.
+
+    ``rounded_before_bias``: the layer rounds ``x W^T`` to the output dtype and
+    then adds the bias (the row-parallel layer: bias after the all-reduce).
+    """
+    expect = oracle(x, w, b)
+    rounded = oracle(x, w, None).abs() if rounded_before_bias else 0
+    assert y.dtype == x.dtype and y.shape == expect.shape
+    # The scale of the sum: |x| . |w|, so cancellation does not loosen the test.
+    mag = x.double().abs() @ w.double().abs().T + 1e-30
+    out_eps = 2.0**-8 if y.dtype == torch.bfloat16 else 2.0**-20
+    err = (y.double() - expect).abs()
+    # bf16 activations on the BF16 path are exact products; float32 ones keep ~16 bits.
+    bound = mag * (2.0**-14) + (expect.abs() + rounded) * out_eps
+    assert (err <= bound).all(), err.max().item()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_small_m_against_float64(k, n, act, portable) -> None:
+    g = torch.Generator().manual_seed(k * 31 + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(act)
+    for m in range(1, 18 if act == torch.bfloat16 else 17):  # F.linear needs one dtype
+        x = torch.randn(m, k, generator=g).to(act)
+        check(fast_linear.linear(x, w, None, portable=portable), x, w)
+        check(fast_linear.linear(x, w, b, portable=portable), x, w, b)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_tail_elements_count(portable) -> None:
+    """Only the last element of each K row is non-zero: a dropped tail gives 0."""
+    for k in (1, 31, 33, 63, 65, 577):
+        w = torch.zeros(5, k, dtype=torch.bfloat16)
+        w[:, -1] = torch.arange(1, 6, dtype=torch.bfloat16)
+        x = torch.zeros(3, k)
+        x[:, -1] = 2.0
+        y = fast_linear.linear(x, w, portable=portable)
+        assert torch.equal(y, torch.tensor([[2.0, 4, 6, 8, 10]] * 3)), (k, y)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_strided_and_batched_inputs(portable) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(781, 200, generator=g).to(torch.bfloat16)
+    wide = torch.randn(5, 450, generator=g)
+    x = wide[:, 100:300]  # rows with a stride: a narrowed (row-parallel) input
+    check(fast_linear.linear(x, w, portable=portable), x, w)
+    xt = torch.randn(200, 3, generator=g).T  # no unit stride at all: copied first
+    check(fast_linear.linear(xt, w, portable=portable), xt, w)
+    x3 = torch.randn(2, 3, 200, generator=g).to(torch.bfloat16)  # (B, T, K)
+    y3 = fast_linear.linear(x3, w, portable=portable)
+    assert y3.shape == (2, 3, 781)
+    check(y3.reshape(6, 781), x3.reshape(6, 200), w)
+
+
+def test_dispatch_rules() -> None:
+    """The GEMV serves bf16 weights and few rows; everything else is F.linear's."""
+    w16 = torch.zeros(8, 8, dtype=torch.bfloat16)
+    assert fast_linear._gemv_applies(torch.zeros(16, 8), w16)
+    assert not fast_linear._gemv_applies(torch.zeros(17, 8), w16)
+    assert not fast_linear._gemv_applies(torch.zeros(1, 8), w16.float())
+    assert not fast_linear._gemv_applies(torch.zeros(1, 8, dtype=torch.float16), w16)
+
+
+def test_fused_and_sharded_layers_use_it() -> None:
+    """The fused QKV / gate-up and the row-parallel layer at tp=1 vs float64."""
+    g = torch.Generator().manual_seed(2)
+    qkv = fast_linear.QKVParallelLinear(96, 16, 3, 1, bias=True).to(torch.bfloat16)
+    mlp = fast_linear.MergedColumnParallelLinear(96, [70, 70]).to(torch.bfloat16)
+    down = fast_linear.RowParallelLinear(140, 96, bias=True).to(torch.bfloat16)
+    for layer in (qkv, mlp, down):
+        for p in layer.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    check(qkv(x), x, qkv.weight, qkv.bias)
+    check(mlp(x), x, mlp.weight)
+    h = torch.randn(3, 140, generator=g).to(torch.bfloat16)
+    check(down(h), h, down.weight, down.bias, rounded_before_bias=True)
+
+
+def test_bad_shapes_raise() -> None:
+    ops = cpu_ops.ops()
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 9), w, None, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 8), w.float(), None, False)
+
+
+def test_ref_twin_is_the_textbook_matmul() -> None:
+    from minivllm.ref import linear as ref_linear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(781, 33, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 33, generator=g).to(torch.bfloat16)
+    b = torch.randn(781, generator=g).to(torch.bfloat16)
+    check(ref_linear.linear(x, w, b), x, w, b, rounded_before_bias=True)
