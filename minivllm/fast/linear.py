@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm import distributed
+from minivllm.ref.quantization import apply_linear
 from minivllm.tp_shards import (
     check_qkv_split,
     check_shape,
@@ -117,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out / tp)
-        y = F.linear(x, self.weight, self.bias)
+        y = apply_linear(x, self.weight, self.bias)
         if self.gather_output:
             y = distributed.tensor_model_parallel_all_gather(y, dim=-1)  # (T, out)
         return y
@@ -238,7 +239,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:  # a full input: take this rank's features
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
-        y = F.linear(x, self.weight)  # (T, out): this rank's partial sum
+        y = apply_linear(x, self.weight)  # (T, out): this rank's partial sum
         y = distributed.tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

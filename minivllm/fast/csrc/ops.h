@@ -119,5 +119,12 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,
 void silu_and_mul(at::Tensor& out, const at::Tensor& input);
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
                       const at::Tensor& cos_sin_cache, bool is_neox);
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                 const at::Tensor& scales);
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                 const at::Tensor& scales, const at::Tensor& mins);
+void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
+void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
+                     const at::Tensor& mins);
 
 }  // namespace minivllm

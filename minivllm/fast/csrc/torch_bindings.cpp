@@ -24,6 +24,11 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
+  m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  m.def(
+      "int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> ()");
+  m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
+  m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -33,4 +38,8 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("fused_add_rms_norm", &minivllm::fused_add_rms_norm);
   m.impl("silu_and_mul", &minivllm::silu_and_mul);
   m.impl("rotary_embedding", &minivllm::rotary_embedding);
+  m.impl("int8_linear", &minivllm::int8_linear);
+  m.impl("int4_linear", &minivllm::int4_linear);
+  m.impl("dequantize_int8", &minivllm::dequantize_int8);
+  m.impl("dequantize_int4", &minivllm::dequantize_int4);
 }
