@@ -50,7 +50,7 @@ def simulates_all_ranks(spec: backend.BackendSpec | None = None) -> bool:
 
 
 def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp_size: int,
-                  spec: backend.BackendSpec | None = None):
+                  spec: backend.BackendSpec | None = None, quantization: str | None = None):
     """The executor for ``tp_size`` ranks under ``spec`` (default: the global backend).
 
     One in-process worker for ``tp_size=1`` or simulating linear layers; real
@@ -61,8 +61,8 @@ def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp
         if tp_size > 1 and not simulates_all_ranks():
             from minivllm.engine.multiproc_executor import MultiprocExecutor
 
-            return MultiprocExecutor(model, dtype, device, tp_size)
-        return UniProcExecutor(model, dtype, device, tp_size)
+            return MultiprocExecutor(model, dtype, device, tp_size, quantization=quantization)
+        return UniProcExecutor(model, dtype, device, tp_size, quantization)
 
 
 def peek_hf_config(model: str) -> Any | None:
@@ -112,10 +112,12 @@ class UniProcExecutor:
         device: ``"cpu"`` or ``"cuda[:N]"``.
         tp_size: ranks the layers are built for; above 1 only with linear
             layers that simulate every rank (the ref backend).
+        quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"`` (see
+            :mod:`minivllm.model.quantization`).
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, quantization: str | None = None) -> None:
         from minivllm.engine.worker import Worker
 
         if tp_size > 1 and not simulates_all_ranks():
@@ -126,7 +128,7 @@ class UniProcExecutor:
             )
         check_model_tp_size(model, tp_size)
         self.tp_size = tp_size
-        self.worker = Worker(model, dtype, device, tp_size)
+        self.worker = Worker(model, dtype, device, tp_size, quantization)
         self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
 
     def bytes_per_block(self, block_size: int) -> int:

@@ -28,6 +28,7 @@ from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -85,8 +86,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -126,7 +129,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         with backend.use_backend(spec):
             self.executor = make_executor(config.model, dtype, device,
-                                          config.tensor_parallel_size, spec)
+                                          config.tensor_parallel_size, spec, config.quantization)
             self.tokenizer = self.executor.tokenizer
             hf_config = self.executor.hf_config
             self.vocab_size = hf_config.vocab_size

@@ -35,16 +35,18 @@ class Worker:
         dtype: weight and activation dtype.
         device: ``"cpu"`` or ``"cuda[:N]"``.
         tp_size: tensor-parallel world size the layers are built for.
+        quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"`` (see
+            :mod:`minivllm.model.quantization`).
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, quantization: str | None = None) -> None:
         from minivllm.model.loader import load_model
 
         self.device = torch.device(device)
         self.dtype = dtype
         self.model, self.hf_config, self.tokenizer = load_model(
-            model, dtype=dtype, device=self.device, tp_size=tp_size
+            model, dtype=dtype, device=self.device, tp_size=tp_size, quantization=quantization
         )
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
