@@ -81,7 +81,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
         raise ValueError(f"x must have K = {k} features, got shape {tuple(x.shape)}")
     rows = x.reshape(-1, k)  # (M, K)
     if rows.shape[0] > GEMV_MAX_ROWS:  # prefill: the GEMM wins
-        return F.linear(x, dequantize(weight, x.dtype), bias)
+        return F.linear(x, dequantize(weight, x.dtype), None if bias is None else bias.to(x.dtype))
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)  # (M, N)
     if weight.method == "int8":
         cpu_ops.ops().int8_linear(out, rows, weight.qweight, weight.scales)
