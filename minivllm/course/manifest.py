@@ -167,6 +167,12 @@ _TASKS = (
           "VocabParallelEmbedding.forward", "ParallelLMHead.forward"),
          ("tests/course/test_task_tp_linear.py", "tests/test_linear.py"),
          10, ("docs/tensor_parallel.md", _T06), requires=("SIMULATES_ALL_RANKS",)),
+    Task("int8_gemv", "int8 weights: quantize, dequantize, and a GEMV", "quantization",
+         "quantization", ("quantize_int8", "dequantize_int8", "int8_gemv"),
+         ("tests/course/test_task_int8_gemv.py",
+          "tests/test_quantization.py::test_int8_round_trip_error_is_at_most_half_a_step",
+          "tests/test_quantization.py::test_int8_per_group_and_gemv"),
+         5, ("docs/quantization.md", "tutorials/09_bytes_per_weight.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

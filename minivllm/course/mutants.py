@@ -135,6 +135,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "mine = (input_ids >= start) & (input_ids < start + rows)",
            "mine = (input_ids >= start) & (input_ids <= start + rows)",
            "a token id on a rank boundary is looked up by two ranks"),
+    Mutant("int8_scale_over_255", "int8_gemv", "quantization",
+           "scales = groups.abs().amax(dim=-1) / 127", "scales = groups.abs().amax(dim=-1) / 255",
+           "the int8 scale spreads max|W| over 255 levels: weights clip at half their range"),
+    Mutant("int8_truncates", "int8_gemv", "quantization",
+           "q = torch.round(groups * inverse.unsqueeze(-1)).clamp(-127, 127)",
+           "q = (groups * inverse.unsqueeze(-1)).trunc().clamp(-127, 127)",
+           "the quantizer truncates towards zero instead of rounding to the nearest level"),
+    Mutant("gemv_scale_wrong_axis", "int8_gemv", "quantization",
+           "return (partial * scales).sum(dim=-1)  # (M, N)",
+           "return partial.sum(dim=-1) * scales.mean(dim=-1)  # (M, N)",
+           "the GEMV applies one averaged scale per row instead of each group's own"),
 )
 
 
