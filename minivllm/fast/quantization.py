@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from minivllm.fast import cpu_ops
 from minivllm.ref.quantization import (
-    INT4_GROUP_SIZE,
-    METHODS,
+    INT4_GROUP_SIZE,  # noqa: F401  (re-exported: the same constants as the ref)
+    METHODS,  # noqa: F401
     QuantizedWeight,
     apply_linear,
     dequantize_int4,
@@ -46,7 +46,7 @@ from minivllm.ref.quantization import dequantize as ref_dequantize
 from minivllm.ref.quantization import quantized_linear as ref_quantized_linear
 
 __all__ = [
-    "QuantizedWeight", "METHODS", "INT4_GROUP_SIZE", "quantize", "quantize_int8",
+    "QuantizedWeight", "quantize", "quantize_int8",
     "dequantize_int8", "int8_gemv", "quantize_int4", "pack_int4", "unpack_int4",
     "dequantize_int4", "dequantize", "quantized_linear", "apply_linear",
 ]

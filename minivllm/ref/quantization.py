@@ -50,7 +50,7 @@ from types import ModuleType
 import torch
 
 __all__ = [
-    "QuantizedWeight", "METHODS", "INT4_GROUP_SIZE", "quantize", "quantize_int8",
+    "QuantizedWeight", "quantize", "quantize_int8",
     "dequantize_int8", "int8_gemv", "quantize_int4", "pack_int4", "unpack_int4",
     "dequantize_int4", "dequantize", "quantized_linear", "apply_linear",
 ]
