@@ -157,6 +157,8 @@ for name, dtype, q in runs:
     decode_tok_s[name] = 32 / (t33 - t1)
     model = llm.llm_engine.executor.worker.model
     quality[name] = perplexity(model, llm.get_tokenizer().encode(TEXT))
+    print(f"{name}: {decode_tok_s[name]:.1f} decode tok/s, perplexity {quality[name][0]:.3f}",
+          flush=True)
     llm.shutdown()
 
 base_ppl, base_argmax = quality["bfloat16"]
