@@ -53,6 +53,10 @@ class LLM:
         gpu_memory_utilization: fraction of GPU memory the engine may use.
         tensor_parallel_size: number of tensor-parallel ranks.
         enforce_eager: on CUDA, do not capture decode steps as CUDA graphs.
+        quantization: (keyword) None for float weights; ``"int8"`` (per output
+            channel) or ``"int4"`` (groups of 32) quantizes the linear layers at
+            load; ``"gguf"`` runs a GGUF's ``Q8_0``/``Q4_0``/``Q4_1`` blocks as
+            stored (see docs/quantization.md).
         **kwargs: any other :class:`EngineConfig` field.
     """
 

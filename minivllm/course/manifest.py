@@ -200,6 +200,12 @@ _TASKS = (
          ("tests/course/test_task_cpp_silu_and_mul.py",),
          5, (KERNELS, _T05, "minivllm/fast/cpu_ops.py"), source="fast",
          csrc=("activation.cpp",), csrc_headers=("ops.h",)),
+    Task("int8_gemv", "int8 weights: quantize, dequantize, and a GEMV", "quantization",
+         "quantization", ("quantize_int8", "dequantize_int8", "int8_gemv"),
+         ("tests/course/test_task_int8_gemv.py",
+          "tests/test_quantization.py::test_int8_round_trip_error_is_at_most_half_a_step",
+          "tests/test_quantization.py::test_int8_per_group_and_gemv"),
+         5, ("docs/quantization.md", "tutorials/09_bytes_per_weight.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

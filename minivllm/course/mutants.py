@@ -145,6 +145,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("cpp_silu_sign", "cpp_silu_and_mul", "csrc/activation.cpp",
            "g / (1.f + fast_exp(-g))", "g / (1.f + fast_exp(g))",
            "silu(g) = g / (1 + exp(g)): the sign of the exponent"),
+    Mutant("int8_scale_over_255", "int8_gemv", "quantization",
+           "scales = groups.abs().amax(dim=-1) / 127", "scales = groups.abs().amax(dim=-1) / 255",
+           "the int8 scale spreads max|W| over 255 levels: weights clip at half their range"),
+    Mutant("int8_truncates", "int8_gemv", "quantization",
+           "q = torch.round(groups * inverse.unsqueeze(-1)).clamp(-127, 127)",
+           "q = (groups * inverse.unsqueeze(-1)).trunc().clamp(-127, 127)",
+           "the quantizer truncates towards zero instead of rounding to the nearest level"),
+    Mutant("gemv_scale_wrong_axis", "int8_gemv", "quantization",
+           "return (partial * scales).sum(dim=-1)  # (M, N)",
+           "return partial.sum(dim=-1) * scales.mean(dim=-1)  # (M, N)",
+           "the GEMV applies one averaged scale per row instead of each group's own"),
 )
 
 

@@ -42,7 +42,8 @@ from minivllm.tp_shards import check_tp_size
 
 
 def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp_size: int,
-                  components: backend.Components | backend.BackendSpec | None = None):
+                  components: backend.Components | backend.BackendSpec | None = None,
+                  quantization: str | None = None):
     """The executor for ``tp_size`` ranks with ``components`` (a spec is resolved once).
 
     One in-process worker for ``tp_size=1`` or simulating linear layers; real
@@ -51,8 +52,9 @@ def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp
     check_tp_size(tp_size)
     components = backend.as_components(components)
     if tp_size > 1 and not simulates_all_ranks(components):
-        return MultiprocExecutor(model, dtype, device, tp_size, components=components)
-    return UniProcExecutor(model, dtype, device, tp_size, components)
+        return MultiprocExecutor(model, dtype, device, tp_size, components=components,
+                                 quantization=quantization)
+    return UniProcExecutor(model, dtype, device, tp_size, components, quantization)
 
 
 class UniProcExecutor:
@@ -66,11 +68,14 @@ class UniProcExecutor:
             layers that simulate every rank (the ref backend).
         components: the engine's :class:`~minivllm.backend.Components` (a
             spec, or None for the global one, is resolved once here).
+        quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"`` (see
+            :mod:`minivllm.model.quantization`).
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
                  tp_size: int = 1,
-                 components: backend.Components | backend.BackendSpec | None = None) -> None:
+                 components: backend.Components | backend.BackendSpec | None = None,
+                 quantization: str | None = None) -> None:
         components = backend.as_components(components)
         if tp_size > 1 and not simulates_all_ranks(components):
             raise ValueError(
@@ -80,7 +85,7 @@ class UniProcExecutor:
             )
         check_model_tp_size(model, tp_size)
         self.tp_size = tp_size
-        self.worker = Worker(model, dtype, device, tp_size, components)
+        self.worker = Worker(model, dtype, device, tp_size, components, quantization)
         self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
 
     def bytes_per_block(self, block_size: int) -> int:

@@ -30,6 +30,7 @@ from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.dtype import resolve_dtype  # noqa: F401  (re-exported: callers import it here)
 from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
@@ -97,6 +98,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one ``_require`` rule each)."""
@@ -118,6 +120,7 @@ class EngineConfig:
                 continue
             _require(_is_int(value) and lo <= value <= hi, name, value,
                      f"an int in [{lo}, {hi}]")
+        check_quantization(self.quantization)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
@@ -193,7 +196,8 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         self.executor = make_executor(config.model, dtype, device,
-                                      config.tensor_parallel_size, self.components)
+                                      config.tensor_parallel_size, self.components,
+                                      config.quantization)
         self.tokenizer = self.executor.tokenizer
         hf_config = self.executor.hf_config
         self.vocab_size = hf_config.vocab_size

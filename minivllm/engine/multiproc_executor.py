@@ -100,7 +100,8 @@ def _exit_if_orphaned(parent_pid: int) -> None:
 
 def _worker_main(rank: int, tp_size: int, init_method: str, dist_backend: str, model: str,
                  dtype: torch.dtype, device: torch.device, components: Any, timeout_s: float,
-                 parent_pid: int, ready: Any, num_threads: int) -> None:
+                 parent_pid: int, ready: Any, num_threads: int,
+                 quantization: str | None = None) -> None:
     """Entry point of worker process ``rank``: join the group, load the model, serve commands."""
     from minivllm.engine.worker import Worker
 
@@ -114,7 +115,7 @@ def _worker_main(rank: int, tp_size: int, init_method: str, dist_backend: str, m
         distributed.init_distributed(rank, tp_size, init_method, dist_backend, timeout_s)
         # `components` arrived pickled as the engine's decided choices and was
         # rebuilt from them: the engine's record, not this process's default.
-        worker = Worker(model, dtype, device, tp_size, components)
+        worker = Worker(model, dtype, device, tp_size, components, quantization)
     except BaseException:
         ready.put(("error", rank, traceback.format_exc()))
         raise
@@ -170,7 +171,8 @@ class MultiprocExecutor:
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
                  tp_size: int, timeout_s: float | None = None,
-                 components: backend.Components | backend.BackendSpec | None = None) -> None:
+                 components: backend.Components | backend.BackendSpec | None = None,
+                 quantization: str | None = None) -> None:
         from minivllm.engine.worker import Worker
 
         if not isinstance(tp_size, int) or tp_size < 1:
@@ -205,7 +207,7 @@ class MultiprocExecutor:
                     target=_worker_main, name=f"minivllm-tp-worker-{rank}", daemon=True,
                     args=(rank, tp_size, init_method, dist_backend, model, dtype,
                           self.devices[rank], components, self.timeout_s,
-                          os.getpid(), self._ready, threads),
+                          os.getpid(), self._ready, threads, quantization),
                 )
                 with _main_module_hidden():
                     p.start()
@@ -215,7 +217,8 @@ class MultiprocExecutor:
             else:
                 torch.cuda.set_device(self.devices[0])  # NCCL uses the current device
             self._join_group(init_method, dist_backend)
-            self.worker = Worker(model, dtype, self.devices[0], tp_size, components)
+            self.worker = Worker(model, dtype, self.devices[0], tp_size, components,
+                                 quantization)
             self._wait_until_ready()
         except BaseException:
             self.shutdown()

@@ -38,11 +38,14 @@ class Worker:
         components: the engine's :class:`~minivllm.backend.Components`: the
             model's layers and the block table come from it (a spec, or None
             for the global one, is resolved once here).
+        quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"`` (see
+            :mod:`minivllm.model.quantization`).
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
                  tp_size: int = 1,
-                 components: backend.Components | backend.BackendSpec | None = None) -> None:
+                 components: backend.Components | backend.BackendSpec | None = None,
+                 quantization: str | None = None) -> None:
         from minivllm.model.loader import load_model
 
         self.components = backend.as_components(components)
@@ -50,7 +53,7 @@ class Worker:
         self.dtype = dtype
         self.model, self.hf_config, self.tokenizer = load_model(
             model, dtype=dtype, device=self.device, tp_size=tp_size,
-            components=self.components,
+            components=self.components, quantization=quantization,
         )
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)

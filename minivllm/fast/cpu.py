@@ -31,3 +31,5 @@ rotary = component(f"{__name__}.rotary", "RoPE by the C++ op.",
                    apply_rotary_emb=_rotary.apply_rotary_emb_cpu)
 activation = component(f"{__name__}.activation", "SiLU-and-mul by the C++ op.",
                        silu_and_mul=_activation.silu_and_mul_cpu)
+#: The quantized matmuls: the fast twin's own module (its C++ ops run on CPU tensors).
+from minivllm.fast import quantization  # noqa: E402, F401

@@ -3,8 +3,8 @@
 What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one page.
 
 1. The kernels are plain C++ over ``torch::Tensor`` in ``csrc/*.cpp``
-   (attention, cache write, RMSNorm, SiLU-and-mul, RoPE, the small-M linear;
-   shared helpers in
+   (attention, cache write, RMSNorm, SiLU-and-mul, RoPE, the small-M linear,
+   quantized matmuls; shared helpers in
    ``csrc/ops.h``).
 2. ``csrc/torch_bindings.cpp`` registers them with ``TORCH_LIBRARY(minivllm, m)``:
    a schema per op (``Tensor(a!)`` marks what it writes) and a CPU
@@ -44,7 +44,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp",
-           "gemv.cpp", "torch_bindings.cpp")  # fmt: skip
+           "gemv.cpp", "quant.cpp", "torch_bindings.cpp")  # fmt: skip
 #: The extension's name: its folder in torch's extension cache.
 NAME = "minivllm_cpu_ops"
 

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm import distributed
+from minivllm.ref.quantization import QuantizedWeight
 from minivllm.tp_shards import (
     check_qkv_split,
     check_shape,
@@ -102,7 +103,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``torch.ops.minivllm.linear_small_m`` (float32 accumulation; the output has
     ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
+    A :class:`~minivllm.ref.quantization.QuantizedWeight` multiplies through the
+    quantization component it was made with.
     """
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x, bias)
     if not _gemv_applies(x, weight):
         return F.linear(x, weight, bias)
     from minivllm.fast import cpu_ops

@@ -47,3 +47,5 @@ rotary = component(f"{__name__}.rotary", "RoPE by the Triton kernel.",
                    apply_rotary_emb=_rotary.apply_rotary_emb_triton)
 activation = component(f"{__name__}.activation", "SiLU-and-mul by the Triton kernel.",
                        silu_and_mul=_activation.silu_and_mul_triton)
+#: No Triton kernel for the quantized matmuls yet: the ref's (dequantize, then matmul).
+from minivllm.ref import quantization  # noqa: E402, F401

@@ -112,6 +112,7 @@ def load_model(
     device: str | torch.device = "cpu",
     tp_size: int = 1,
     components: Any = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, Any, Any]:
     """Load ``model`` and return ``(model_module, hf_config, tokenizer)``.
 
@@ -126,10 +127,21 @@ def load_model(
         tp_size: tensor-parallel world size passed to the model's linear layers.
         components: the engine's :class:`~minivllm.backend.Components` (None:
             the global backend spec, resolved once).
+        quantization: None (float weights), ``"int8"`` / ``"int4"`` (quantize
+            at load) or ``"gguf"`` (a GGUF's quantized blocks as they are); see
+            :mod:`minivllm.model.quantization`.
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    from minivllm.model.quantization import check_quantization
+
+    check_quantization(quantization)
     path = resolve_model_path(model)
+    # A registered model keeps the .gguf it was converted from beside it.
+    gguf_path = path if path.suffix == ".gguf" else next(iter(sorted(path.glob("*.gguf"))), None)
+    if quantization == "gguf" and gguf_path is None:
+        raise ValueError(f"quantization='gguf' needs a .gguf model (or a registered name "
+                         f"converted from one); {path} has no .gguf file")
     if path.suffix == ".gguf":
         from minivllm.model.gguf_loader import load_gguf
 
@@ -144,4 +156,10 @@ def load_model(
                      if has_tokenizer else None)
     module = build_model(hf_config, dtype, device, tp_size, components)
     module.load_weights(weights)
+    if quantization is not None:
+        from minivllm import backend
+        from minivllm.model.quantization import quantize_model
+
+        ops = backend.as_components(components).quantization
+        quantize_model(module, quantization, ops, gguf_path)
     return module, hf_config, tokenizer

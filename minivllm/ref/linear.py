@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.ref.quantization import apply_linear
 from minivllm.tp_shards import (
     check_qkv_split,
     check_shape,
@@ -95,7 +96,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     The fast twin runs a C++ GEMV here for decode-shaped inputs on a CPU;
     ``portable`` selects that kernel's fallback path and means nothing here.
+    A quantized weight multiplies through its quantization component.
     """
+    if not isinstance(weight, torch.Tensor):
+        return apply_linear(x, weight, bias)
     y = x @ weight.T  # (..., N)
     return y if bias is None else y + bias
 
@@ -156,7 +160,7 @@ class ColumnParallelLinear(nn.Module):
         outputs = []
         for rank in range(self.tp_size):
             bias = None if self.bias is None else self.bias[rank]
-            outputs.append(F.linear(x, self.weight[rank], bias))
+            outputs.append(apply_linear(x, self.weight[rank], bias))
         return outputs
         # END SOLUTION
 
@@ -350,7 +354,7 @@ class RowParallelLinear(nn.Module):
         # What each rank receives: its slice of the input features.
         # BEGIN SOLUTION
         x_shards = x.split(self.input_size_per_partition, dim=-1)  # tp x (T, in / tp)
-        partial_sums = [F.linear(x_shards[r], self.weight[r]) for r in range(self.tp_size)]
+        partial_sums = [apply_linear(x_shards[r], self.weight[r]) for r in range(self.tp_size)]
         y = torch.stack(partial_sums).sum(dim=0)  # the all-reduce: (T, out)
         if self.bias is not None:
             y = y + self.bias  # once, after the reduce (not tp times)

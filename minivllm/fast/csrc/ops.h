@@ -123,5 +123,12 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
 void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, bool portable);
 bool gemv_has_avx512_bf16();
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                 const at::Tensor& scales);
+void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                 const at::Tensor& scales, const at::Tensor& mins);
+void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
+void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
+                     const at::Tensor& mins);
 
 }  // namespace minivllm

@@ -29,6 +29,11 @@ TORCH_LIBRARY(minivllm, m) {
       "bool portable) -> ()");
   // No tensors: a plain function, the same on every device.
   m.def("gemv_has_avx512_bf16() -> bool", &minivllm::gemv_has_avx512_bf16);
+  m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  m.def(
+      "int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> ()");
+  m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
+  m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -39,4 +44,8 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("silu_and_mul", &minivllm::silu_and_mul);
   m.impl("rotary_embedding", &minivllm::rotary_embedding);
   m.impl("linear_small_m", &minivllm::linear_small_m);
+  m.impl("int8_linear", &minivllm::int8_linear);
+  m.impl("int4_linear", &minivllm::int4_linear);
+  m.impl("dequantize_int8", &minivllm::dequantize_int8);
+  m.impl("dequantize_int4", &minivllm::dequantize_int4);
 }

@@ -1,0 +1,183 @@
+"""Quantize a loaded model's linear layers, or load a GGUF's quantized blocks as they are.
+
+``LLM(model, quantization=...)`` (vLLM's engine argument) ends up here, after
+the float weights are loaded:
+
+- ``"int8"`` / ``"int4"``: every projection of every decoder layer
+  (:data:`QUANTIZED_LAYERS`) is quantized from the weight this rank holds
+  (:func:`minivllm.ref.quantization.quantize`);
+- ``"gguf"``: the projections take the ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks
+  stored in the ``.gguf`` file itself, with no dequantize-requantize round
+  trip (vLLM's ``quantization="gguf"``), so the default SmolLM2 runs on the
+  4-bit weights it ships with.
+
+The embedding and the LM head stay in float (vLLM leaves them unquantized by
+default too): the embedding is a lookup, not a matmul, and SmolLM2 ties the
+two.
+
+A layer's ``weight`` parameter is replaced by a
+:class:`~minivllm.ref.quantization.QuantizedWeight`; its ``forward`` multiplies
+through :func:`~minivllm.ref.quantization.apply_linear`. A GGUF's blocks reach
+every rank through the layer's own ``weight_loader``: the integers, scales and
+minimums are each spread to a full ``(N, K)`` float tensor and loaded like a
+weight, so the tensor-parallel split (QKV heads, replicated KV heads, gate/up)
+is written once, in the linear layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from minivllm.ref.quantization import INT4_GROUP_SIZE, METHODS, QuantizedWeight, pack_int4
+
+#: Every value ``quantization=`` accepts (None: the float weights).
+QUANTIZATION_METHODS = (*METHODS, "gguf")
+#: The layers that are quantized (the names of the decoder layers' projections).
+QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: GGUF block types loaded without dequantizing -> our method.
+GGUF_NATIVE_TYPES = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+def check_quantization(value: str | None, model: str | Path | None = None) -> str | None:
+    """Return ``value`` if ``quantization=value`` is allowed, else raise ``ValueError``."""
+    if value is not None and value not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, "
+                         f"got {value!r}")  # fmt: skip
+    return value
+
+
+def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` for every linear layer that quantization replaces."""
+    return [(name, m) for name, m in model.named_modules()
+            if name.rpartition(".")[2] in QUANTIZED_LAYERS]  # fmt: skip
+
+
+def _set_weight(layer: nn.Module, weight: QuantizedWeight) -> None:
+    del layer.weight  # the float Parameter; a plain attribute takes its place
+    layer.weight = weight
+
+
+def quantize_model(model: nn.Module, method: str, ops: ModuleType,
+                   gguf_path: str | Path | None = None) -> nn.Module:
+    """Replace the weights of :func:`quantized_layers` with quantized ones, in place.
+
+    Args:
+        model: a loaded model (float weights).
+        method: ``"int8"``, ``"int4"`` or ``"gguf"``.
+        ops: the ``quantization`` component that will run the matmuls.
+        gguf_path: the ``.gguf`` file the model was loaded from (``"gguf"`` only).
+    """
+    check_quantization(method)
+    if method == "gguf":
+        if gguf_path is None or Path(gguf_path).suffix != ".gguf":
+            raise ValueError(f"quantization='gguf' needs a .gguf model (or a registered name "
+                             f"converted from one), got {gguf_path!r}")  # fmt: skip
+        _load_gguf_blocks(model, ops, Path(gguf_path))
+        return model
+    for name, layer in quantized_layers(model):
+        w = layer.weight.data  # (..., N, K): this rank's (or every simulated rank's) weight
+        if method == "int4" and w.shape[-1] % INT4_GROUP_SIZE:
+            raise ValueError(f"quantization='int4': layer {name} has K = {w.shape[-1]} input "
+                             f"features per rank, not a multiple of {INT4_GROUP_SIZE}")
+        q = ops.quantize(w, method)
+        _set_weight(layer, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
+                                           q.group_size, ops))
+    return model
+
+
+# --------------------------------------------------------------------------
+# GGUF blocks, loaded as they are
+# --------------------------------------------------------------------------
+
+
+def gguf_blocks(data: np.ndarray, type_name: str) -> tuple[np.ndarray, ...]:
+    """Split a GGUF tensor's raw bytes into ``(q, scale, min)``, each ``(N, K)`` float32.
+
+    ``data``: the ``(N, bytes per row)`` uint8 array ``gguf.GGUFReader`` gives.
+    Block layouts (llama.cpp's ``ggml-common.h``), 32 weights each:
+    ``Q8_0``: fp16 ``d``, 32 int8 ``q``, ``w = d q``. ``Q4_0``: fp16 ``d``, 16
+    bytes of nibbles, ``w = d q - 8 d``. ``Q4_1``: fp16 ``d``, fp16 ``m``, 16
+    bytes, ``w = d q + m``. Nibbles: byte ``j`` holds ``q[j]`` low, ``q[j + 16]`` high.
+    ``min`` is None for ``Q8_0``.
+    """
+    n = data.shape[0]
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, size)  # (N, G, bytes a block)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (N, G, 1)
+    if type_name == "Q8_0":
+        q = blocks[..., 2:34].copy().view(np.int8).astype(np.float32)  # (N, G, 32)
+        m = None
+    else:
+        start = 2 if type_name == "Q4_0" else 4
+        nib = blocks[..., start:start + 16]
+        q = np.concatenate([nib & 0xF, nib >> 4], axis=-1).astype(np.float32)  # (N, G, 32)
+        m = (-8 * d if type_name == "Q4_0"
+             else blocks[..., 2:4].copy().view(np.float16).astype(np.float32))  # fmt: skip
+    full = (n, q.shape[1] * 32)
+
+    def spread(v: np.ndarray) -> np.ndarray:  # one value per group -> one per weight
+        return np.broadcast_to(v, q.shape).reshape(full)
+
+    return q.reshape(full), spread(d), None if m is None else spread(m)
+
+
+def _gguf_sources(layer_name: str) -> list[tuple[str, Any]]:
+    """``(gguf tensor name, shard_id)`` pieces of one fused layer, e.g. ``model.layers.3.qkv_proj``."""
+    index = int(layer_name.split(".")[2])
+    kind = layer_name.rpartition(".")[2]
+    pieces = {
+        "qkv_proj": [("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")],
+        "o_proj": [("attn_output", None)],
+        "gate_up_proj": [("ffn_gate", 0), ("ffn_up", 1)],
+        "down_proj": [("ffn_down", None)],
+    }[kind]
+    return [(f"blk.{index}.{name}.weight", shard) for name, shard in pieces]
+
+
+def _load_gguf_blocks(model: nn.Module, ops: ModuleType, path: Path) -> None:
+    import gguf
+
+    from minivllm.model.gguf_loader import unpermute_qk
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    config = model.config
+    for name, layer in quantized_layers(model):
+        sources = _gguf_sources(name)
+        types = {tensors[s].tensor_type.name for s, _ in sources}
+        if len(types) != 1 or next(iter(types)) not in GGUF_NATIVE_TYPES:
+            continue  # e.g. F32 or K-quant blocks: this layer keeps its dequantized weight
+        type_name = types.pop()
+        if layer.weight.shape[-1] % 32:
+            raise ValueError(f"quantization='gguf': layer {name} has K = {layer.weight.shape[-1]} "
+                             f"input features per rank; GGUF blocks need a multiple of 32")
+        method = GGUF_NATIVE_TYPES[type_name]
+        # Three scratch "weights" shaped like this rank's: integers, scales, minimums.
+        parts = [torch.empty(layer.weight.shape) for _ in range(3 if method == "int4" else 2)]
+        for source, shard in sources:
+            arrays = gguf_blocks(tensors[source].data, type_name)
+            for part, array in zip(parts, arrays):
+                if shard in ("q", "k"):  # llama.cpp's Q/K row order -> HF's
+                    heads = config.num_attention_heads if shard == "q" \
+                        else config.num_key_value_heads
+                    array = unpermute_qk(array, heads)
+                full = torch.from_numpy(np.array(array, dtype=np.float32))
+                if shard is None:
+                    layer.weight_loader(part, full)
+                else:
+                    layer.weight_loader(part, full, shard)
+        device = layer.weight.device
+        q, scales = parts[0], parts[1][..., ::32].contiguous().to(device)
+        if method == "int8":
+            weight = QuantizedWeight("int8", q.to(torch.int8).to(device), scales, None, 32, ops)
+        else:
+            mins = parts[2][..., ::32].contiguous().to(device)
+            weight = QuantizedWeight("int4", pack_int4(q).to(device), scales, mins,
+                                     INT4_GROUP_SIZE, ops)
+        _set_weight(layer, weight)
