@@ -111,7 +111,7 @@ class EngineConfig:
                  else isinstance(self.dtype, str) and self.dtype in dtypes,
                  "dtype", self.dtype, f"one of {dtypes} or torch.float32/float16/bfloat16")
         _require(isinstance(self.device, (str, torch.device)) and _is_device(self.device),
-                 "device", self.device, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+                 "device", self.device, "'auto', 'cpu', or 'cuda' / 'cuda:N' of a GPU here")
         _require(_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
                  f"an int in [{SEED_MIN}, {SEED_MAX}] (torch.Generator's range)")
         for name, lo, hi in _INT_RANGES:
@@ -154,12 +154,16 @@ def _is_int(v: object) -> bool:
 
 
 def _is_device(device: str | torch.device) -> bool:
+    """``"auto"``, the CPU, or a CUDA device this machine has."""
     if device == "auto":
         return True
     try:
-        return torch.device(device).type in ("cpu", "cuda")
+        device = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         return False
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    return device.type == "cpu"
 
 
 def _physical_memory() -> int:

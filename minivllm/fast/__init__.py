@@ -1,6 +1,12 @@
-"""Optimised twins of :mod:`minivllm.ref`: Triton kernels and O(1) / vectorised
-host-side data structures, with the same public API as their ref twins.
+"""Optimised twins of :mod:`minivllm.ref`, with the same public API as their ref twins.
 
-Kernel modules import Triton at import time; :mod:`minivllm.backend` only
-imports them when Triton can run (on CUDA, or in the interpreter).
+- Kernels: Triton on CUDA, C++ custom ops on a CPU (``csrc/``, built on first
+  use by :mod:`minivllm.fast.cpu_ops`); each kernel module dispatches on the
+  tensor's device. ``minivllm.fast.triton`` and ``minivllm.fast.cpu`` pick one
+  of the two explicitly (the Triton kernels then run in Triton's interpreter
+  on a CPU).
+- Host side: O(1) / vectorised data structures (allocator, KV cache manager,
+  scheduler, block tables, sampler) and real one-process-per-rank linear layers.
+
+:mod:`minivllm.backend` imports a kernel twin only where it can run.
 """

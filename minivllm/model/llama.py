@@ -25,10 +25,11 @@ Variants are switched by the HF config:
 - Qwen3: ``head_dim`` from the config (may differ from hidden / heads) and an
   RMSNorm over each query and key head before RoPE (``q_norm``/``k_norm``).
 - ``tie_word_embeddings``: the LM head reuses the embedding matrix.
-- Mistral: the same as Llama here. Its ``sliding_window`` is ignored: every
+- Mistral: the same as Llama here. There is no sliding-window attention: every
   token attends to its whole context, which equals sliding-window attention as
   long as sequences are no longer than the window (4096 for Mistral 7B v0.1;
-  later Mistral versions set ``sliding_window`` to null).
+  later Mistral versions set ``sliding_window`` to null), so the engine caps
+  ``max_model_len`` at ``sliding_window`` (see docs/models.md).
 
 The kernels come from the swap layer (:mod:`minivllm.backend`): the engine's
 :class:`~minivllm.backend.Components` record is passed to every layer when
@@ -402,7 +403,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's architecture; ``sliding_window`` is ignored (see module docstring)."""
+    """Mistral: Llama's architecture; max_model_len is capped at ``sliding_window`` (see above)."""
 
 
 #: ``config.architectures[0]`` -> model class.

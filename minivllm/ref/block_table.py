@@ -17,7 +17,8 @@ Each step the model runner needs two tensors from here:
   written (:mod:`minivllm.ref.cache_write`).
 
 Who owns the table: the worker, on every rank (:mod:`minivllm.engine.worker`),
-as in vLLM v1 where the GPU model runner owns its ``BlockTable``. The
+beside that rank's KV cache (in vLLM v1 the GPU model runner inside the
+worker holds it, in its input batch). The
 scheduler decides which blocks a request gets and sends only the changes each
 step (``SchedulerOutput.new_block_ids``, plus the finished and preempted
 requests, whose rows are dropped); each worker applies them here, and builds
