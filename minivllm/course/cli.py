@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--junit", default=None, metavar="PATH", help="write JUnit XML")
     p.add_argument("--gradescope", default=None, metavar="PATH",
                    help="write Gradescope's autograder results.json")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=float, default=180.0, metavar="SECONDS",
                    help="a test running longer fails (default: %(default)s)")
 
     p = sub.add_parser("submit", help="zip a student package for hand-in")

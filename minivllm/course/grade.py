@@ -6,7 +6,7 @@
    (:func:`scan_package`): a submission must not hand the grader the
    reference, or reach into the test harness.
 2. **Run.** The tasks' tests run in a child pytest process (the package is
-   imported there, fresh), each under ``--test-timeout`` (60 s). The child
+   imported there, fresh), each under ``--test-timeout`` (180 s). The child
    streams each outcome, secret-tagged, into a file whose name and secret
    the parent makes up and hands over only after the child has started
    (:class:`minivllm.testing.pytest_plugin._CourseReport`); the parent reads
@@ -54,7 +54,7 @@ from minivllm.course.manifest import TASKS, Task, get_task, nodeid_matches, task
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Seconds one test may run before it fails (``--test-timeout``).
-TEST_TIMEOUT = 60.0
+TEST_TIMEOUT = 180.0
 
 #: Imports a submission may not make: the reference and fast implementations, and the
 #: test harness (a submission has no business with pytest).

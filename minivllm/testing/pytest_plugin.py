@@ -62,7 +62,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addoption(
         "--test-timeout", default=0.0, type=float, metavar="SECONDS",
-        help="fail a test that runs longer than this (0: no limit; the grader uses 60)",
+        help="fail a test that runs longer than this (0: no limit; the grader uses 180)",
     )
 
 
