@@ -186,7 +186,9 @@ def gguf_variants(source: Path, out_dir: str | Path, build_dir=None) -> dict[str
             cmd = [str(find_tool("llama-quantize", build_dir)), "--allow-requantize",
                    str(source), str(path), fmt]
             print("+", shlex.join(cmd), flush=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"llama-quantize failed: {done.stderr[-2000:]}")
         found[fmt] = path
     return found
 
