@@ -17,6 +17,8 @@ EXAMPLES = """examples:
     minivllm serve smollm2 --port 8000                 # OpenAI-compatible HTTP server
     minivllm bench serve --compare-offline             # online latency / throughput
     minivllm bench throughput [--compare hf]           # offline throughput benchmark
+    minivllm bench latency [--dtype float32 bfloat16]  # batch-1 TTFT, decode ms/token
+    minivllm bench throughput --compare llamacpp       # vs llama.cpp's batched engine
     minivllm bench host | kernels | tp                 # component benchmarks
     minivllm download smollm2                          # fetch + convert the default model
     minivllm course make-student hw | grade | selfcheck  # course kit (minivllm course --help)
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level; 'info' logs every request")
     _engine_args(p)
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, serve, host, kernels, tp",
+    p = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, host, kernels, tp, llamacpp",
                        add_help=False)
     p.add_argument("name", choices=["throughput", "serve", "host", "kernels", "tp"],
                    help="which benchmark; pass --help after the name for its options")

@@ -20,3 +20,47 @@ def test_find_gguf_reports_where_it_looked(tmp_path):
         llamacpp.find_gguf(str(tmp_path), tmp_path)
     (tmp_path / "model.Q4_1.gguf").write_bytes(b"GGUF")
     assert llamacpp.find_gguf(str(tmp_path), tmp_path).name == "model.Q4_1.gguf"
+
+
+def test_missing_tool_says_how_to_build_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("MINIVLLM_LLAMACPP_DIR", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    with pytest.raises(SystemExit) as e:
+        llamacpp.find_tool("llama-batched-bench", tmp_path)
+    msg = str(e.value)
+    assert "minivllm bench llamacpp --build" in msg
+    assert "cmake" in msg and "llama-batched-bench" in msg and "llama-cpp-python" in msg
+
+
+def test_build_steps_build_the_three_tools_from_the_vendored_source(tmp_path):
+    steps = [" ".join(c) for c in llamacpp.build_steps(tmp_path)]
+    assert any("--no-binary :all:" in s and "llama-cpp-python" in s for s in steps)
+    assert any("vendor/llama.cpp" in s and "-DGGML_NATIVE=ON" in s for s in steps)
+    assert any(all(t in s for t in llamacpp.TOOLS) and "-j2" in s for s in steps)
+
+
+def _fake_tool(bin_dir, name, lines):
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tool = bin_dir / name
+    tool.write_text("#!/bin/sh\necho 'a log line'\n" + "".join(f"echo '{ln}'\n" for ln in lines))
+    tool.chmod(0o755)
+    return tool
+
+
+def test_batched_bench_reads_llamas_jsonl_per_batch_size(tmp_path):
+    rows = ['{"pl": 1, "speed": 273.5, "speed_tg": 109.0, "speed_pp": 600.0, '
+            '"t_pp": 0.2, "t_tg": 0.5, "t": 0.7}',
+            '{"pl": 64, "speed": 968.0, "speed_tg": 800.0, "speed_pp": 900.0, '
+            '"t_pp": 9.1, "t_tg": 5.1, "t": 14.2}']
+    _fake_tool(tmp_path / "bin", "llama-batched-bench", rows)
+    got = llamacpp.batched_bench(tmp_path / "m.gguf", 128, 64, [1, 64], 2, tmp_path)
+    assert got[1]["total_tok_s"] == 273.5 and got[1]["decode_tok_s"] == 109.0
+    assert got[64]["total_tok_s"] == 968.0
+
+
+def test_llama_bench_names_pp_and_tg(tmp_path):
+    rows = ['{"n_prompt": 4096, "n_gen": 0, "avg_ts": 634.0}',
+            '{"n_prompt": 0, "n_gen": 128, "avg_ts": 158.0}']
+    _fake_tool(tmp_path / "bin", "llama-bench", rows)
+    assert llamacpp.llama_bench(tmp_path / "m.gguf", 4096, 128, 2, 1, tmp_path) == {
+        "pp4096": 634.0, "tg128": 158.0}

@@ -1,8 +1,10 @@
 """``python -m minivllm.bench NAME [options]``: run ``minivllm.bench.NAME.main(options)``.
 
-Benchmarks: ``throughput`` (end to end, offline), ``serve`` (online, against
+Benchmarks: ``latency`` (batch-1 TTFT and decode ms per token, host overhead),
+``throughput`` (end to end, offline; ``--compare hf|llamacpp``), ``serve`` (online, against
 the HTTP server), ``host`` (allocator, block tables,
-scheduler), ``kernels`` (Triton vs ref), ``tp`` (tensor parallel).
+scheduler), ``kernels`` (Triton vs ref), ``tp`` (tensor parallel), ``llamacpp``
+(build llama.cpp's own benchmark tools and the GGUF weights they compare on).
 """
 
 from __future__ import annotations

@@ -9,10 +9,28 @@ latter against a compute roofline: the machine's measured fp32 (or the run's
 dtype) GEMM rate divided by ``2 * num_parameters`` FLOPs per token. With
 ``--compare hf`` the same requests also run through transformers'
 ``generate`` (static batches of 8, left padding, greedy) and the ratio is
-printed. With ``--compare llamacpp`` the same requests run through llama.cpp
-(``llama-cpp-python``, the optional extra ``[llamacpp]``) on the model's GGUF
-file, one request at a time; see :mod:`minivllm.bench.llamacpp`. Results go
-to JSON and a PNG chart.
+printed. Results go to JSON and a PNG chart.
+
+``--compare llamacpp`` measures against llama.cpp's *own batched engine*
+instead, on a workload both run the same way: B sequences of ``--prompt-len``
+random prompt tokens that each generate ``--gen-len`` tokens, decoded together,
+at every B of ``--batch-sizes`` (default 1 and 64), through
+``llama-batched-bench``; plus one ``--prefill-len`` prompt (pp4096) and
+``tg128`` through ``llama-bench``. llama.cpp runs F32, BF16, Q8_0 and Q4_1
+GGUFs of the same weights (made from the shipped Q4_1 with ``llama-quantize
+--allow-requantize``), minivllm runs float32 and bfloat16 (and int8 / int4 with
+``--quantization`` where this minivllm has it), and the ratios of matching
+pairs are printed in one run. The tools are built by ``minivllm bench llamacpp
+--build DIR``; see :mod:`minivllm.bench.llamacpp`. Columns, as
+llama-batched-bench defines them: total tok/s = B * (prompt + generated) /
+whole time; decode tok/s = generated tokens / generation time (minivllm's
+first token comes with its prefill step, so its decode time covers
+``gen_len - 1`` tokens).
+
+``--compare llamacpp-python`` is the older comparison through the Python
+binding ``llama-cpp-python`` (the extra ``[llamacpp]``) on the 64-request
+workload: it is *sequential*, one request at a time, so it does not measure
+llama.cpp's batched engine.
 """
 
 from __future__ import annotations
@@ -169,10 +187,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--compare", choices=["hf", "llamacpp"], default=None,
-                   help="also run the same requests through transformers' generate (hf) or "
-                        "through llama.cpp on the same GGUF, one at a time (llamacpp: needs "
-                        "the optional extra, pip install -e '.[llamacpp]')")
+    p.add_argument("--compare", choices=["hf", "llamacpp", "llamacpp-python"], default=None,
+                   help="hf: the same requests through transformers' generate; llamacpp: "
+                        "llama.cpp's own batched engine (llama-batched-bench, llama-bench) on "
+                        "the same weights at B=1 and B=64 (build it with `minivllm bench "
+                        "llamacpp --build DIR`); llamacpp-python: the old SEQUENTIAL "
+                        "one-request-at-a-time comparison through llama-cpp-python")
+    g = p.add_argument_group("--compare llamacpp")
+    g.add_argument("--llamacpp-dir", default=None,
+                   help="llama.cpp build directory (default $MINIVLLM_LLAMACPP_DIR, then PATH)")
+    g.add_argument("--gguf-dir", default=None,
+                   help="where the F32/BF16/Q8_0 GGUFs are or are made (default "
+                        "LLAMACPP_DIR/gguf)")
+    g.add_argument("--formats", default="F32,BF16,Q8_0,Q4_1", help="llama.cpp GGUF formats")
+    g.add_argument("--dtypes", default="float32,bfloat16", help="minivllm dtypes")
+    g.add_argument("--quantization", default=None,
+                   help="minivllm weight quantizations too (int8,int4), if LLM has quantization=")
+    g.add_argument("--batch-sizes", default="1,64")
+    g.add_argument("--prompt-len", type=int, default=128)
+    g.add_argument("--gen-len", type=int, default=64)
+    g.add_argument("--prefill-len", type=int, default=4096, help="0 skips pp / tg")
+    g.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", default="results/bench_throughput.json")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -181,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm.model.loader import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
-    if args.compare == "llamacpp":  # fail now, not after the long minivllm run
+    if args.compare == "llamacpp":
+        from minivllm.bench.llamacpp import compare
+
+        return compare(args, model_dir)
+    if args.compare == "llamacpp-python":  # fail now, not after the long minivllm run
         from minivllm.bench.llamacpp import find_gguf, require_llama_cpp
 
         require_llama_cpp()
@@ -216,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                             total_tok_s=(n_in + hf["output_tokens"]) / hf["elapsed_s"])
         result["speedup_vs_hf"] = result["minivllm"]["output_tok_s"] / result["hf"]["output_tok_s"]
 
-    if args.compare == "llamacpp":
+    if args.compare == "llamacpp-python":
         result["llamacpp"] = compare_llamacpp(args.model, model_dir, prompts, out_lens, n_in,
                                               result["minivllm"]["output_tok_s"], args.quiet)
 
@@ -240,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'llama.cpp':<14}{c['elapsed_s']:>9.1f}{c['output_tok_s']:>14.1f}"
               f"{c['total_tok_s']:>13.1f}")
         print(f"speed-up vs llama.cpp (output tokens/s): {c['speedup']:.2f}x "
-              f"({c['gguf']}, {c['threads']} threads, one request at a time)")
+              f"({c['gguf']}, {c['threads']} threads, through llama-cpp-python: SEQUENTIAL, one "
+              f"request at a time, not llama.cpp's batched engine)")
     print(f"GEMM rate {gemm / 1e9:.1f} GFLOP/s -> roofline {roofline:.1f} total tok/s; "
           f"minivllm reaches {100 * result['roofline_fraction']:.1f}% of it")
     print(f"wrote {out} and {out.with_suffix('.png')}")

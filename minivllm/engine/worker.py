@@ -62,6 +62,7 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = None  # this rank's BlockTables, made by init_kv_cache
         self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
+        self.cpu_fast_path = None  # a CPUFastPath once the KV cache exists (CPU, C++ ops)
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV-cache bytes one block costs on this rank, over all layers, K and V."""
@@ -82,6 +83,19 @@ class Worker:
         self.block_tables = self.components.block_table.BlockTables(
             max_num_reqs, max_num_blocks_per_req or num_blocks, block_size, self.device
         )
+        self.set_cpu_fast_path(True)
+
+    def set_cpu_fast_path(self, enabled: bool) -> bool:
+        """Run the forward through :class:`~minivllm.engine.cpu_fast_path.CPUFastPath`
+        (the default where it can run) or plainly; return whether it is now on.
+
+        Both give bit-identical results; benchmarks and tests switch it off to
+        compare. It needs the KV cache (:meth:`init_kv_cache`).
+        """
+        from minivllm.engine.cpu_fast_path import CPUFastPath
+
+        self.cpu_fast_path = CPUFastPath.build(self.model, self.kv_caches) if enabled else None
+        return self.cpu_fast_path is not None
 
     def update_block_tables(self, step_input: StepInput) -> None:
         """Apply the scheduler's block-table changes for this step to this rank's table.
@@ -163,6 +177,10 @@ class Worker:
         """The forward pass alone, on a complete :class:`~minivllm.metadata.ModelInput`."""
         if self.graph_runner is not None and self.graph_runner.can_run(model_input):
             hidden = self.graph_runner.run(model_input)
+        elif self.cpu_fast_path is not None and not torch._C._autograd._profiler_enabled():
+            # While a profiler records, the plain path runs so that its op table names
+            # every kernel; the fast path calls the same kernels, without the ranges.
+            hidden = self.cpu_fast_path.run(model_input)
         else:
             hidden = self.model(
                 model_input.input_ids, model_input.positions, self.kv_caches,

@@ -1,0 +1,249 @@
+"""Batch-1 latency: ``minivllm bench latency [--dtype float32 bfloat16] [--quantization int8]``.
+
+vLLM's ``benchmarks/benchmark_latency.py`` under vLLM's name. For each dtype
+(and quantization) it runs ``--batch-size`` requests of ``--input-len`` random
+prompt tokens that each generate ``--output-len`` tokens (``ignore_eos``,
+greedy), stepping the engine by hand, and reports:
+
+- **TTFT**: the time of the first engine step (prefill plus the first
+  sampled token), in ms;
+- **decode ms per token**: the mean time of the remaining steps (one token
+  per request each), and its inverse in tokens/s;
+- the end-to-end latency of the whole request.
+
+Each figure is measured twice in one run: with the CPU fast path
+(:mod:`minivllm.engine.cpu_fast_path`, the default where it runs) and with the
+plain forward, so their ratio needs no quiet machine.
+
+**Host overhead** is defined here as *decode step wall time minus the time
+inside the model's kernels*: the steps run without a profiler give the wall
+time; one further run under :class:`minivllm.Profiler` (which runs the plain
+forward, since only it has op ranges) gives the seconds inside the op ranges
+``linear``, ``lm_head``, ``attention``, ``norm``, ``rope``, ``activation``,
+``cache_write`` and ``embedding`` per decode step. The two paths call the very
+same kernels, so the same kernel time is subtracted from both. What is left is
+Python, dispatch, allocation, the scheduler, the model runner, the sampler
+and detokenization: everything a step does that is not model arithmetic.
+(The op ranges include each kernel's own dispatch, so this is a lower bound
+on what a CUDA-graph-like replay could save.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+#: The op-table categories that are model kernels (the sampler is host work here).
+KERNEL_OPS = ("linear", "lm_head", "attention", "norm", "rope", "activation", "cache_write",
+              "embedding")
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """One batch run step by step: the first step, the rest, and in between."""
+
+    ttft_s: float  # until every request has its first token
+    decode_steps_s: list[float]  # each later step
+    total_s: float
+
+    @property
+    def decode_s(self) -> float:
+        return sum(self.decode_steps_s)
+
+
+def quantization_supported() -> bool:
+    """Whether this minivllm's ``LLM`` takes ``quantization=``."""
+    from minivllm import LLM
+
+    return "quantization" in inspect.signature(LLM.__init__).parameters
+
+
+def make_llm(model: str, dtype: str, quantization: str | None = None, **kw):
+    """``LLM(model, dtype=..., quantization=...)``; a clear error where quantization is missing."""
+    from minivllm import LLM
+
+    if quantization is not None:
+        if not quantization_supported():
+            raise SystemExit(f"--quantization {quantization}: LLM(..., quantization=) is not "
+                             "available in this minivllm yet")
+        kw["quantization"] = quantization
+    return LLM(model, dtype=dtype, **kw)
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids (the lowest 100 ids, often special, skipped)."""
+    rng = random.Random(seed)
+    return [[rng.randint(100, vocab_size - 1) for _ in range(length)] for _ in range(n)]
+
+
+def time_batch(llm, prompts: list[list[int]], max_tokens: int) -> StepTimes:
+    """Submit ``prompts`` at once, each generating ``max_tokens``; time every engine step.
+
+    The prefix cache is reset first, so repeated runs recompute their prompts.
+    """
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    engine.scheduler.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    started: set[str] = set()
+    start = time.perf_counter()
+    ttft, steps, last = None, [], start
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        if ttft is None:
+            started.update(o.request_id for o in outputs)
+            if len(started) == len(ids):
+                ttft = now - start
+        else:
+            steps.append(now - last)
+        last = now
+    return StepTimes(ttft_s=ttft if ttft is not None else last - start, decode_steps_s=steps,
+                     total_s=last - start)
+
+
+def kernel_seconds_per_decode_step(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Seconds per decode step inside each kernel op range, from one profiled run.
+
+    The profiler starts after the prefill step, so only decode steps count.
+    """
+    import minivllm
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    engine.scheduler.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    for p in prompts:
+        engine.add_request(None, p, params)
+    engine.step()  # the prefill
+    n = 0
+    trace = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"minivllm_latency_{os.getpid()}.json")
+    with minivllm.Profiler(trace, print_summary=False, trace_steps=(0, 1)) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            n += 1
+    os.remove(trace)
+    per = {op: prof.op_times[op] / max(n, 1) for op in KERNEL_OPS}
+    per["step_profiled"] = sum(prof.stage_times[s] for s in minivllm.profiler.STAGES) / max(n, 1)
+    return per
+
+
+def run_one(args, dtype: str, quantization: str | None) -> dict:
+    """Both paths and the profile for one dtype / quantization."""
+    llm = make_llm(args.model, dtype, quantization, backend=args.backend, device=args.device,
+                   max_model_len=args.input_len + args.output_len + 16)
+    engine = llm.llm_engine
+    worker = getattr(engine.executor, "worker", None)
+    prompts = random_prompts(args.batch_size, args.input_len, engine.vocab_size, args.seed)
+    time_batch(llm, [p[:16] for p in prompts], 4)  # warm up: allocator, first calls
+    result = dict(dtype=str(engine.dtype).replace("torch.", ""), quantization=quantization,
+                  paths={})
+    paths = ["fast", "plain"] if worker is not None and worker.cpu_fast_path is not None \
+        else ["plain"]
+    for path in paths:
+        if worker is not None:
+            worker.set_cpu_fast_path(path == "fast")
+        runs = [time_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)]
+        decode_ms = sorted(1000 * r.decode_s / max(len(r.decode_steps_s), 1) for r in runs)
+        result["paths"][path] = dict(
+            ttft_ms=sorted(1000 * r.ttft_s for r in runs)[len(runs) // 2],
+            decode_ms_per_step=decode_ms[len(decode_ms) // 2],
+            latency_s=sorted(r.total_s for r in runs)[len(runs) // 2],
+        )
+    if worker is not None:
+        worker.set_cpu_fast_path(True)
+    if not args.no_profile:
+        kernels = kernel_seconds_per_decode_step(llm, prompts, args.output_len)
+        kernel_ms = 1000 * sum(kernels[op] for op in KERNEL_OPS)
+        result["kernel_ms_per_step"] = kernel_ms
+        result["op_ms_per_step"] = {op: 1000 * kernels[op] for op in KERNEL_OPS}
+        result["profiled_step_ms"] = 1000 * kernels["step_profiled"]
+        for r in result["paths"].values():
+            r["host_overhead_ms"] = r["decode_ms_per_step"] - kernel_ms
+    llm.shutdown()
+    return result
+
+
+def format_table(results: list[dict], args) -> str:
+    lines = [f"minivllm bench latency: {args.model}, batch {args.batch_size}, "
+             f"{args.input_len} prompt + {args.output_len} output tokens, median of "
+             f"{args.num_iters}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus",
+             f"{'dtype':<10}{'quant':<7}{'path':<7}{'TTFT ms':>9}{'decode ms/tok':>15}"
+             f"{'decode tok/s':>14}{'latency s':>11}{'kernels ms':>12}{'host ms':>9}"]
+    for res in results:
+        for path, r in res["paths"].items():
+            kern = res.get("kernel_ms_per_step")
+            host = r.get("host_overhead_ms")
+            lines.append(
+                f"{res['dtype']:<10}{res['quantization'] or '-':<7}{path:<7}{r['ttft_ms']:>9.1f}"
+                f"{r['decode_ms_per_step']:>15.2f}"
+                f"{1000 * args.batch_size / r['decode_ms_per_step']:>14.1f}"
+                f"{r['latency_s']:>11.2f}"
+                f"{'' if kern is None else f'{kern:.2f}':>12}"
+                f"{'' if host is None else f'{host:.2f}':>9}")
+        if "fast" in res["paths"] and "plain" in res["paths"]:
+            f, p = res["paths"]["fast"], res["paths"]["plain"]
+            lines.append(f"  fast path: decode {p['decode_ms_per_step'] / f['decode_ms_per_step']:.2f}x"
+                         f" the plain path" + (
+                             f", host overhead {p['host_overhead_ms']:.2f} -> "
+                             f"{f['host_overhead_ms']:.2f} ms/step" if "host_overhead_ms" in f
+                             else ""))
+        if "op_ms_per_step" in res:
+            ops = ", ".join(f"{op} {ms:.2f}" for op, ms in res["op_ms_per_step"].items())
+            lines.append(f"  kernels per decode step (ms): {ops}; a profiled plain step "
+                         f"{res['profiled_step_ms']:.2f} ms")
+    lines.append("host ms = decode step wall time - time inside the model's kernel op ranges "
+                 "(see --help)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="minivllm bench latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                   help="one or more dtypes, each measured in turn")
+    p.add_argument("--quantization", nargs="+", default=None,
+                   help="weight quantizations to measure too (int8, int4), passed to "
+                        "LLM(quantization=...) where this minivllm has it")
+    p.add_argument("--backend", default="fast", help="ref, fast, auto or an import path")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the profiled run (no kernel time, no host overhead)")
+    p.add_argument("--out", default="results/bench_latency.json")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.quantization and not quantization_supported():
+        raise SystemExit("--quantization: LLM(..., quantization=) is not available in this "
+                         "minivllm yet")
+
+    results = [run_one(args, dtype, None) for dtype in args.dtype]
+    for q in args.quantization or []:
+        results += [run_one(args, dtype, q) for dtype in args.dtype]
+    print(format_table(results, args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(model=args.model, batch_size=args.batch_size,
+                                   input_len=args.input_len, output_len=args.output_len,
+                                   load_average=os.getloadavg(), results=results), indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

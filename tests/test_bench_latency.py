@@ -1,0 +1,35 @@
+"""``minivllm bench latency``: its step timing and its host-overhead arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm import LLM
+from minivllm.bench import latency
+
+
+def test_time_batch_counts_one_step_per_later_token(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu")
+    prompts = latency.random_prompts(3, 20, llm.llm_engine.vocab_size)
+    t = latency.time_batch(llm, prompts, 7)
+    # The first step is the prefill of all three (and their first tokens): 6 decode steps follow.
+    assert len(t.decode_steps_s) == 6
+    assert 0 < t.ttft_s <= t.total_s
+    assert t.total_s == pytest.approx(t.ttft_s + t.decode_s)
+
+
+def test_kernel_time_is_at_most_the_profiled_step(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu")
+    per = latency.kernel_seconds_per_decode_step(
+        llm, latency.random_prompts(1, 10, llm.llm_engine.vocab_size), 5)
+    kernels = sum(per[op] for op in latency.KERNEL_OPS)
+    assert 0 < kernels < per["step_profiled"]
+    assert per["attention"] > 0 and per["linear"] > 0
+
+
+def test_bad_sizes_and_missing_quantization_are_refused(monkeypatch):
+    with pytest.raises(SystemExit, match="--output-len must be >= 1, got 0"):
+        latency.main(["--output-len", "0"])
+    monkeypatch.setattr(latency, "quantization_supported", lambda: False)
+    with pytest.raises(SystemExit, match="quantization.*not available"):
+        latency.main(["--quantization", "int8"])
