@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig, _require, cdiv
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.dtype import DTYPES as _DTYPES
 from minivllm.dtype import resolve_dtype  # noqa: F401  (re-exported: callers import it here)
 from minivllm.engine.executor import make_executor
 from minivllm.engine.model_runner import ModelRunner
