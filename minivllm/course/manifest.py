@@ -196,7 +196,7 @@ _TASKS = (
          ("tests/course/test_task_triton_decode.py",),
          10, (KERNELS, _T04), source="fast"),
     Task("cpp_silu_and_mul", "A C++ CPU op: SiLU-and-mul through torch.utils.cpp_extension",
-         "activation", "cpp_activation", ("silu_and_mul",),
+         "activation", "activation_cpp", ("silu_and_mul",),
          ("tests/course/test_task_cpp_silu_and_mul.py",),
          5, (KERNELS, _T05, "minivllm/fast/cpu_ops.py"), source="fast",
          csrc=("activation.cpp",), csrc_headers=("ops.h",)),

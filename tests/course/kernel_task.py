@@ -1,7 +1,7 @@
 """Which module a kernel task's tests call (not a test module).
 
 Under ``--backend=PKG`` it is the package's own copy (``PKG.attention_decode``,
-``PKG.cpp_activation``); under ``ref`` or ``fast`` it is ``minivllm.fast``'s,
+``PKG.activation_cpp``); under ``ref`` or ``fast`` it is ``minivllm.fast``'s,
 the solution itself.
 """
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from kernel_task import kernel_module
 
-cpp = kernel_module("activation", "cpp_activation")
+cpp = kernel_module("activation", "activation_cpp")
 try:
     cpp._library()
     BUILD_ERROR = None
