@@ -1,25 +1,29 @@
-# %% [markdown]
-# # 09 · Bytes per weight: quantization and the batch-1 roofline
-#
-# One person chatting with a model on a laptop runs at batch 1. Each decode step
-# then reads *every weight of the model once* and does two flops with it, far too
-# few to keep the arithmetic units busy: the step is bound by memory bandwidth, and
-#
-#     decode tok/s  <=  read bandwidth (bytes/s)  /  weight bytes read per token.
-#
-# So the way to decode faster is to read fewer bytes per weight. This tutorial:
-#
-# 1. measures this machine's read bandwidth;
-# 2. counts SmolLM2's weight bytes per token in float32, bf16, int8 and 4-bit, and
-#    turns them into a roofline;
-# 3. measures the quantized matmul kernels and the real batch-1 decode speed
-#    beside it (`LLM(..., quantization="int8" | "int4" | "gguf")`);
-# 4. measures what quantization costs in quality: perplexity on a fixed text and
-#    greedy agreement with bf16.
-#
-# The formats are in `minivllm/ref/quantization.py` (read its docstring) and
-# docs/quantization.md. It runs in a minute or two on a laptop CPU (the first run
-# also builds the C++ kernels).
+"""
+09 · Bytes per weight: quantization and the batch-1 roofline
+============================================================
+
+One person chatting with a model on a laptop runs at batch 1. Each decode step
+then reads *every weight of the model once* and does two flops with it, far too
+few to keep the arithmetic units busy: the step is bound by memory bandwidth, and
+
+.. code-block:: text
+
+   decode tok/s  <=  read bandwidth (bytes/s)  /  weight bytes read per token.
+
+So the way to decode faster is to read fewer bytes per weight. This tutorial:
+
+1. measures this machine's read bandwidth;
+2. counts SmolLM2's weight bytes per token in float32, bf16, int8 and 4-bit, and
+   turns them into a roofline;
+3. measures the quantized matmul kernels and the real batch-1 decode speed
+   beside it (``LLM(..., quantization="int8" | "int4" | "gguf")``);
+4. measures what quantization costs in quality: perplexity on a fixed text and
+   greedy agreement with bf16.
+
+The formats are in ``minivllm/ref/quantization.py`` (read its docstring) and
+:doc:`/quantization`. It runs in about a minute on a laptop CPU (the first run
+also builds the C++ kernels).
+"""
 
 # %%
 import time
@@ -49,7 +53,8 @@ def best_of(fn, repeats=5):
 
 
 # %% [markdown]
-# ## 1 · Read bandwidth
+# 1 · Read bandwidth
+# ------------------
 #
 # Summing a tensor much larger than the caches reads every byte once and does
 # almost no arithmetic: its bytes / time is the read bandwidth the decode step can
@@ -63,10 +68,11 @@ print(f"read bandwidth: {read_gbs:.1f} GB/s")
 del big
 
 # %% [markdown]
-# ## 2 · Weight bytes per token, and the roofline
+# 2 · Weight bytes per token, and the roofline
+# --------------------------------------------
 #
-# SmolLM2-135M: 30 decoder layers, each with the projections `qkv_proj`
-# (576 -> 960), `o_proj` (576 -> 576), `gate_up_proj` (576 -> 3072) and `down_proj`
+# SmolLM2-135M: 30 decoder layers, each with the projections ``qkv_proj``
+# (576 -> 960), ``o_proj`` (576 -> 576), ``gate_up_proj`` (576 -> 3072) and ``down_proj``
 # (1536 -> 576), plus the LM head (576 -> 49152, tied to the embedding). The
 # quantized formats store the projections in 8 or 4 bits; the LM head stays bf16.
 #
@@ -92,16 +98,19 @@ for k, b in bytes_per_token.items():
 # %% [markdown]
 # The LM head is a fifth of the model, and it stays in bf16, so 4-bit is not
 # 4x faster than bf16 at the roofline: the head's bytes do not shrink.
+
+# %% [markdown]
+# 3 · The kernels
+# ---------------
 #
-# ## 3 · The kernels
-#
-# The fast twin (`minivllm/fast/csrc/quant.cpp`) never writes a float weight to
+# The fast twin (``minivllm/fast/csrc/quant.cpp``) never writes a float weight to
 # memory: it reads each quantized row once and widens the integers in registers.
 # Its *effective* bandwidth is the quantized bytes it reads per second. Here it
-# runs at M = 1 on 48 different `gate_up_proj`-sized weights (3072 x 576) in turn,
+# runs at M = 1 on 48 different ``gate_up_proj``-sized weights (3072 x 576) in turn,
 # so that, as in a real decode step, the weights come from memory and not from
-# the caches (48 of them are 64 MB even in 4 bits), beside bf16's `F.linear` on
-# the same weights.
+# the caches (48 of them are 64 MB even in 4 bits), beside bf16's ``F.linear`` on
+# the same weights (torch's own kernel: how close it comes to the read bandwidth
+# depends on the CPU).
 
 # %%
 quant = backend.get("quantization", "fast")
@@ -131,10 +140,11 @@ for k, v in kernel_gbs.items():
 del formats
 
 # %% [markdown]
-# ## 4 · Batch-1 decode, and quality
+# 4 · Batch-1 decode, and quality
+# -------------------------------
 #
-# One engine per format: `quantization="int8"` and `"int4"` quantize the bf16
-# projections at load; `"gguf"` loads the Q4_1 blocks shipped in SmolLM2's `.gguf`
+# One engine per format: ``quantization="int8"`` and ``"int4"`` quantize the bf16
+# projections at load; ``"gguf"`` loads the Q4_1 blocks shipped in SmolLM2's ``.gguf``
 # file as they are (no dequantize-requantize round trip). Decode speed is the
 # difference between generating 33 tokens and 1 token (the prefill), greedy.
 # Quality: perplexity on a fixed paragraph, and the fraction of positions where
@@ -147,7 +157,8 @@ runs = [("float32", "float32", None), ("bfloat16", "bfloat16", None),
 decode_tok_s, quality = {}, {}
 prompt = {"prompt_token_ids": list(range(100, 164))}
 for name, dtype, q in runs:
-    llm = LLM("smollm2", dtype=dtype, quantization=q, max_num_seqs=1)
+    llm = LLM("smollm2", dtype=dtype, quantization=q, max_num_seqs=1,
+              kv_cache_memory=64 << 20)  # one short sequence: a small KV pool
 
     def gen(n, llm=llm):
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -169,13 +180,13 @@ for name, _, _ in runs:
           f"{greedy_agreement(argmax, base_argmax):12.1%}")
 
 # %% [markdown]
-# ## 5 · The figure
+# 5 · The figure
+# --------------
 #
 # Bars: the measured batch-1 decode tok/s; dots: the roofline from section 2 (the
-# gguf row shares int4's byte count). On a CPU the measured bars sit well below
-# the roofline: at 135M parameters a step is only a few milliseconds of weight
-# reads, and the rest (attention, norms, per-op dispatch) does not shrink with the
-# weights; the smaller formats still come out ahead where the matmuls dominate.
+# gguf row shares int4's byte count). The lines printed under the figure put
+# numbers on it: each format's share of its roofline, and its speed and perplexity
+# against bf16.
 
 # %%
 names = [r[0] for r in runs]
@@ -190,16 +201,57 @@ ax.legend()
 fig.tight_layout()
 fig.savefig(figure_path("09_bytes_per_weight.png"), dpi=120)
 print("wrote 09_bytes_per_weight.png")
+for name, r in zip(names, roof):
+    print(f"{name:>10}: {decode_tok_s[name] / r:4.0%} of its roofline, "
+          f"{decode_tok_s[name] / decode_tok_s['bfloat16']:.2f}x bf16's decode speed, "
+          f"perplexity {quality[name][0] / base_ppl - 1:+.2%} against bf16")
+print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 
 # %% [markdown]
-# ## What you learned, and the test command
+# **Figure 09.1.** SmolLM2-135M's batch-1 decode speed in each weight format
+# (bars, log scale), beside the roofline that this machine's read bandwidth and
+# the format's weight bytes per token allow (dots). Look at the gap between each
+# bar and its dot, and at whether the bars grow as the bytes shrink. Where a bar
+# sits far below its dot, the weight reads are not what the step waits on: at 135M
+# parameters they take only milliseconds, and the rest (attention, norms, per-op
+# dispatch, the Python engine loop) does not shrink with the weights; the closer
+# the bars come to their dots, the more the smaller formats gain. On a busy machine
+# the bars also move from run to run; the roofline is the part that does not.
+
+# %% [markdown]
+# What you built
+# --------------
 #
-# At batch 1 the weights are the traffic, so bytes per weight sets the speed
-# limit; int8 keeps perplexity within a fraction of a percent of bf16, and 4-bit
-# costs a few percent. The course task (docs/course/17_int8_gemv.md) has you write
-# the int8 quantizer, dequantizer and GEMV of `minivllm/ref/quantization.py`.
+# Nothing new in code: a measurement. This machine's read bandwidth, the weight
+# bytes per token of SmolLM2 in four formats and the batch-1 roofline they set,
+# the quantized GEMVs' effective bandwidth, and the real decode speed and quality
+# of five engines (``quantization=None``, ``"int8"``, ``"int4"``, ``"gguf"``). At
+# batch 1 the weights are the traffic, so bytes per weight sets the speed limit;
+# what quantization costs is in the perplexity column printed in section 4.
+
+# %% [markdown]
+# The test command
+# ----------------
 #
-# ```bash
-# pytest -q tests/test_quantization.py --backend=ref
-# pytest -q tests/test_quantization.py --backend=fast
-# ```
+# The formats and the matmul twins are tested against the formulas rewritten in
+# float64, the GGUF blocks against the ``gguf`` package's own quantizer, and whole
+# models by SmolLM2's perplexity against bf16:
+#
+# .. code-block:: bash
+#
+#    pytest -q tests/test_quantization.py --backend=ref
+#    pytest -q tests/test_quantization.py --backend=fast
+
+# %% [markdown]
+# The course task
+# ---------------
+#
+# Task 17 ``int8_gemv`` (:doc:`/course/17_int8_gemv`) has you write the int8
+# quantizer, dequantizer and GEMV of ``minivllm/ref/quantization.py`` in your
+# student package's ``quantization`` module: one scale per group of input
+# features, and a GEMV that never builds the float weight.
+#
+# .. code-block:: bash
+#
+#    minivllm course make-student hw
+#    PYTHONPATH=hw pytest -q --backend=minivllm_student --task int8_gemv
