@@ -221,3 +221,18 @@ def test_llm_generate_finishes_the_others_then_names_the_failed_prompt(tiny_mode
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     sched = llm.llm_engine.scheduler
     assert sched.num_free_blocks == llm.llm_engine.cache_config.num_blocks
+
+
+def test_a_step_of_prefill_chunks_alone_still_advances(engine):
+    """A step that samples nothing (a long prompt's first chunks) must still move the
+    prompt on: a regression where such a step skipped the scheduler's update looped
+    forever on the same chunk."""
+    prompt = list(range(1, 50))  # 49 tokens with a 16-token budget: 3 steps sample nothing
+    engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=3,
+                                                    ignore_eos=True))
+    for _ in range(20):  # 4 prefill steps + 2 decodes; a bound, not a wait
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks

@@ -407,10 +407,11 @@ class LLMEngine:
         outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
         with record_function("forward"):
             logits = self.executor.execute_model(step_input)
-        if logits is None or not sampling_reqs:
+        if logits is None:
             return outputs  # only block-table changes (or nothing left) this step
         with record_function("sample"):
-            rows = self._sample(logits, sampling_reqs, outputs)
+            # A step of prefill chunks alone samples nothing, but still advances them.
+            rows = self._sample(logits, sampling_reqs, outputs) if sampling_reqs else []
         sampled = {r.request_id: token for r, token, _ in rows}
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         with record_function("detokenize"):
