@@ -76,53 +76,50 @@ def _functions_by_line(tree: ast.Module) -> list[tuple[int, int, str]]:
     return found
 
 
-def find_regions(text: str, path: str | Path) -> list[Region]:
-    """Every solution region of a source file; ``ValueError`` naming the file if malformed."""
-    lines = text.splitlines()
-    functions = _functions_by_line(ast.parse(text, filename=str(path)))
+def _scan(lines: list[str], path: str | Path, begin_marker: str, end_marker: str,
+          owner) -> list[Region]:
+    """The regions between ``begin_marker`` and ``end_marker`` lines, in order.
+
+    ``owner(begin)`` names the function a region opened on 0-based line ``begin``
+    belongs to (or raises ``ValueError``); a marker out of place is a ``ValueError``
+    naming the file and line.
+    """
     regions, begin = [], None
     for i, line in enumerate(lines):
         marker = line.strip()
-        if marker == BEGIN:
+        if marker == begin_marker:
             if begin is not None:
-                raise ValueError(f"{path}:{i + 1}: {BEGIN} inside the region opened on line "
-                                 f"{begin + 1}")
+                raise ValueError(f"{path}:{i + 1}: {begin_marker} inside the region opened on "
+                                 f"line {begin + 1}")
             begin = i
-        elif marker == END:
+        elif marker == end_marker:
             if begin is None:
-                raise ValueError(f"{path}:{i + 1}: {END} without a {BEGIN}")
-            inside = [name for first, last, name in functions if first <= begin + 1 <= last]
-            if not inside:
-                raise ValueError(f"{path}:{begin + 1}: a solution region must lie inside a "
-                                 f"function body")
+                raise ValueError(f"{path}:{i + 1}: {end_marker} without a {begin_marker}")
             indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
-            regions.append(Region(begin, i, indent, inside[-1]))  # the innermost function
+            regions.append(Region(begin, i, indent, owner(begin)))
             begin = None
     if begin is not None:
-        raise ValueError(f"{path}:{begin + 1}: {BEGIN} is never closed by {END}")
+        raise ValueError(f"{path}:{begin + 1}: {begin_marker} is never closed by {end_marker}")
     return regions
+
+
+def find_regions(text: str, path: str | Path) -> list[Region]:
+    """Every solution region of a source file; ``ValueError`` naming the file if malformed."""
+    functions = _functions_by_line(ast.parse(text, filename=str(path)))
+
+    def owner(begin: int) -> str:
+        inside = [name for first, last, name in functions if first <= begin + 1 <= last]
+        if not inside:
+            raise ValueError(f"{path}:{begin + 1}: a solution region must lie inside a "
+                             f"function body")
+        return inside[-1]  # the innermost function
+
+    return _scan(text.splitlines(), path, BEGIN, END, owner)
 
 
 def find_cpp_regions(text: str, path: str | Path) -> list[Region]:
     """Every ``// BEGIN SOLUTION`` / ``// END SOLUTION`` region of a C++ source file."""
-    regions, begin = [], None
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        marker = line.strip()
-        if marker == CPP_BEGIN:
-            if begin is not None:
-                raise ValueError(f"{path}:{i + 1}: {CPP_BEGIN} inside the region opened on "
-                                 f"line {begin + 1}")
-            begin = i
-        elif marker == CPP_END:
-            if begin is None:
-                raise ValueError(f"{path}:{i + 1}: {CPP_END} without a {CPP_BEGIN}")
-            indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
-            regions.append(Region(begin, i, indent, ""))
-            begin = None
-    if begin is not None:
-        raise ValueError(f"{path}:{begin + 1}: {CPP_BEGIN} is never closed by {CPP_END}")
-    return regions
+    return _scan(text.splitlines(), path, CPP_BEGIN, CPP_END, lambda begin: "")
 
 
 def csrc_path(task: Task, name: str) -> Path:
