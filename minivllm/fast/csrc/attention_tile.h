@@ -158,6 +158,17 @@ void attend_rows(const Batch<scalar_t>& b, const int32_t* table, int64_t q0, int
         for (int64_t d = 0; d < D; ++d) kj[d] = static_cast<float>(kr[d]);
         for (int64_t d = 0; d < D; ++d) vj[d] = static_cast<float>(vr[d]);
       }
+      // Ask for the next tile's rows now: blocks sit anywhere in the cache (no
+      // hardware prefetcher follows them), and the two GEMMs below take long
+      // enough to hide the misses that the packing loop above otherwise waits on.
+      for (int64_t t = t0 + NK; t < std::min(t0 + 2 * NK, num_keys); ++t) {
+        const int64_t off = table[t / b.block_size] * b.c_sb + (t % b.block_size) * b.c_ss +
+                            h * b.c_sh;
+        for (int64_t d = 0; d < D; d += 64 / sizeof(scalar_t)) {  // a cache line
+          __builtin_prefetch(b.k + off + d);
+          __builtin_prefetch(b.v + off + d);
+        }
+      }
       // S^T = K Q^T: (kt_pad x D) (D x mp).
       float* st = w.st.data();
       gemm(w.k.data(), D, 1, w.qt.data(), mp, D, st, mp, kt_pad, mp, false);
