@@ -25,6 +25,8 @@ def test_kernel_time_is_at_most_the_profiled_step(tiny_model_dir):
     kernels = sum(per[op] for op in latency.KERNEL_OPS)
     assert 0 < kernels < per["step_profiled"]
     assert per["attention"] > 0 and per["linear"] > 0
+    # The leaf operators sit inside the op ranges: less time, but not none.
+    assert 0 < per["kernel_leaves"] < kernels
 
 
 def test_bad_sizes_and_missing_quantization_are_refused(monkeypatch):

@@ -121,8 +121,16 @@ def paged_attention_cpu(
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    gemm_prefill: bool = True,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    """:func:`paged_attention` by the C++ op ``torch.ops.minivllm.paged_attention``."""
+    """:func:`paged_attention` by the C++ op ``torch.ops.minivllm.paged_attention``.
+
+    Sequences with at least 8 query rows (prefill chunks) run in GEMM shape
+    (``csrc/attention_tile.h``); ``gemm_prefill=False`` sends them through the
+    per-query-vector row loop instead, the kernel before it (for benchmarks and
+    tests that compare the two).
+    """
     _check(query, k_cache, v_cache, metadata)
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -132,5 +140,6 @@ def paged_attention_cpu(
     cpu_ops.ops().paged_attention(
         out, query, k_cache, v_cache, metadata.block_tables.to(torch.int32),
         metadata.seq_lens.to(torch.int32), metadata.query_start_loc.to(torch.int32), scale,
+        gemm_prefill,
     )  # fmt: skip
     return out

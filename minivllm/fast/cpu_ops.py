@@ -45,6 +45,8 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp",
            "gemv.cpp", "quant.cpp", "torch_bindings.cpp")  # fmt: skip
+#: Headers the sources include (a change to one rebuilds the library).
+HEADERS = ("ops.h", "attention_tile.h")
 #: The extension's name: its folder in torch's extension cache.
 NAME = "minivllm_cpu_ops"
 
@@ -57,7 +59,10 @@ def compile_flags() -> list[str]:
     NEON/SVE (ARM). macOS's clang has no OpenMP: ``at::parallel_for`` then runs
     on one thread.
     """
-    flags = ["-O3"]
+    # -fno-trapping-math: the kernels never read floating-point exception flags, and
+    # without it GCC will not if-convert a float comparison (fast_exp's clamps, a
+    # causal mask's select), so every loop holding one stays scalar.
+    flags = ["-O3", "-fno-trapping-math"]
     if sys.platform.startswith("linux"):
         flags.append("-fopenmp")
     machine = platform.machine().lower()
@@ -80,7 +85,7 @@ def _is_built(build_dir: Path) -> bool:
     libs = list(build_dir.glob(f"{NAME}*.so")) + list(build_dir.glob(f"{NAME}*.pyd"))
     if not libs:
         return False
-    newest_source = max((CSRC / s).stat().st_mtime for s in (*SOURCES, "ops.h"))
+    newest_source = max((CSRC / s).stat().st_mtime for s in (*SOURCES, *HEADERS))
     return min(lib.stat().st_mtime for lib in libs) >= newest_source
 
 

@@ -29,6 +29,7 @@
 //   accumulator through memory once per (key, query vector).
 // - Items are spread over threads with at::parallel_for, one contiguous run
 //   of about equal work (keys x query vectors) per thread.
+#include "attention_tile.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -43,6 +44,7 @@ constexpr int64_t KEY_TILE = 32;          // keys per online-softmax update
 constexpr int64_t MR = 4;                 // query vectors per register block
 constexpr int64_t DC = 32;                // head_dim elements per register block of p @ V
 constexpr int64_t MAX_TILE_QUERIES = 32;  // query vectors (rows x group heads) per item
+constexpr int64_t GEMM_MIN_ROWS = 8;      // sequences with this many query rows: GEMM tiles
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // A K row as float32: the row itself for float32 caches, else converted into buf.
@@ -76,16 +78,18 @@ inline void pv_block(const float* __restrict p, const float* const* v_rows, int6
   }
 }
 
-// One work item: query rows [row_begin, row_end) of sequence seq.
+// One work item: query rows [row_begin, row_end) of sequence seq; `tiled` items
+// (prefill chunks) run attention_tile.h's GEMM-shaped loop, the others this file's.
 struct Item {
   int64_t seq, row_begin, row_end;
+  bool tiled;
 };
 
 template <typename scalar_t>
 void attention_kernel(at::Tensor& out, const at::Tensor& query,
                       const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      const at::Tensor& query_start_loc, float scale) {
+                      const at::Tensor& query_start_loc, float scale, bool gemm_prefill) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -106,6 +110,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
   const int64_t c_sb = k_cache.stride(0), c_ss = k_cache.stride(1), c_sh = k_cache.stride(2);
 
   const int64_t num_blocks = k_cache.size(0);
+  const int64_t tile_rows = std::max<int64_t>(1, tile::TILE_M / group);
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(qsl[s + 1] - qsl[s] <= lens[s], "sequence ", s, ": query_len > seq_len");
@@ -115,9 +120,11 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
       const int32_t id = tables[s * table_stride + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " outside [0, ", num_blocks, ")");
     }
-    for (int64_t r = qsl[s]; r < qsl[s + 1]; r += rows_per_item) {
-      items.push_back({s, r - qsl[s], std::min<int64_t>(r - qsl[s] + rows_per_item,
-                                                         qsl[s + 1] - qsl[s])});
+    const int64_t query_len = qsl[s + 1] - qsl[s];
+    const bool tiled = gemm_prefill && query_len >= GEMM_MIN_ROWS;
+    const int64_t rows = tiled ? tile_rows : rows_per_item;
+    for (int64_t r = 0; r < query_len; r += rows) {
+      items.push_back({s, r, std::min<int64_t>(r + rows, query_len), tiled});
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -153,6 +160,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     std::vector<float> scores(m_cap * KEY_TILE), k_buf(head_dim);
     std::vector<float> v_buf(std::is_same_v<scalar_t, float> ? 0 : KEY_TILE * head_dim);
     std::vector<int64_t> pos(m_cap);
+    std::optional<tile::Scratch> tile_scratch;  // allocated by the first tiled item
+    const tile::Batch<scalar_t> batch{q_ptr, k_ptr, v_ptr, o_ptr, q_st, q_sh, o_st, o_sh,
+                                      c_sb, c_ss, c_sh, block_size, num_kv_heads, group,
+                                      head_dim, scale};
     int64_t key_off[KEY_TILE];   // cache offset of each key of the tile, at KV head 0
     int64_t next_off[KEY_TILE];  // the same for the next tile
     const float* v_rows[KEY_TILE];
@@ -164,6 +175,14 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
       const int32_t* table = tables + it.seq * table_stride;
       const int64_t m_count = (it.row_end - it.row_begin) * group;  // per KV head
       const int64_t m_pad = (m_count + MR - 1) / MR * MR;
+      if (it.tiled) {
+        if (!tile_scratch) {
+          tile_scratch.emplace((tile_rows * group + tile::NR - 1) / tile::NR * tile::NR, head_dim);
+        }
+        tile::attend_rows(batch, table, qsl[it.seq], ctx, it.row_begin, it.row_end,
+                          *tile_scratch);
+        continue;
+      }
 
       // Query vector m of KV head h = (row, head in the group), pre-scaled, as
       // float32; the padding up to a multiple of MR is zero and its results unused.
@@ -285,7 +304,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
 void paged_attention(at::Tensor& out, const at::Tensor& query,
                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& query_start_loc, double scale, bool gemm_prefill) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: (T, H, D)");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache/v_cache: (num_blocks, block_size, H_kv, D)");
@@ -304,7 +323,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query,
   }
   MINIVLLM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
     attention_kernel<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                               query_start_loc, static_cast<float>(scale));
+                               query_start_loc, static_cast<float>(scale), gemm_prefill);
   });
 }
 

@@ -109,7 +109,7 @@ inline float fast_exp(float x) {
 void paged_attention(at::Tensor& out, const at::Tensor& query,
                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale);
+                     const at::Tensor& query_start_loc, double scale, bool gemm_prefill);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping);

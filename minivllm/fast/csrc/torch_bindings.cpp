@@ -12,7 +12,8 @@
 TORCH_LIBRARY(minivllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+      "bool gemm_prefill=True) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
