@@ -89,13 +89,13 @@ def test_all_layers_draft_the_targets_greedy_tokens(tiny_model_dir):
     batch = Batch(worker, prompts, [SamplingParams(temperature=0.0)] * 3)
     proposer = DraftModelProposer.self_speculation(worker, None)
     k = 5
-    proposal = proposer.propose(batch.requests, [k] * 3, worker.block_tables)
+    drafts_per_request, draft_probs = proposer.propose(batch.requests, [k] * 3)
     oracle = hf_model(path)
-    for r, drafts in zip(batch.requests, proposal.draft_token_ids):
+    for r, drafts in zip(batch.requests, drafts_per_request):
         want = hf_greedy(oracle, r.prompt_token_ids, k + 1)
         assert [r.output_token_ids[0], *drafts] == want
-    assert proposal.draft_probs.shape == (3 * k, worker.model.config.vocab_size)
-    assert torch.equal(proposal.draft_probs.sum(-1), torch.ones(3 * k))  # one-hot for greedy
+    assert draft_probs.shape == (3 * k, worker.model.config.vocab_size)
+    assert torch.equal(draft_probs.sum(-1), torch.ones(3 * k))  # one-hot for greedy
 
 
 @pytest.mark.parametrize("arch,layers", [("llama", 1), ("qwen2", 2), ("llama_tied", 2)])
@@ -109,12 +109,12 @@ def test_first_layers_match_a_truncated_transformers_model(tiny_model_dir, arch,
     batch = Batch(worker, prompts, [SamplingParams(temperature=0.0), random_params])
     proposer = DraftModelProposer.self_speculation(worker, layers)
     k = 4
-    proposal = proposer.propose(batch.requests, [k, k], worker.block_tables)
+    drafts, draft_probs = proposer.propose(batch.requests, [k, k])
     cut = AutoModelForCausalLM.from_pretrained(
         path, num_hidden_layers=layers, dtype=torch.float32, attn_implementation="eager",
         local_files_only=True).eval()
     greedy_req, random_req = batch.requests
-    greedy_drafts, random_drafts = proposal.draft_token_ids
+    greedy_drafts, random_drafts = drafts
     assert greedy_drafts == hf_greedy(cut, greedy_req.all_token_ids, k)
     # The random request: q is the cut model's filtered distribution after each prefix.
     assert len(random_drafts) == k
@@ -128,7 +128,7 @@ def test_first_layers_match_a_truncated_transformers_model(tiny_model_dir, arch,
         want = torch.zeros_like(probs)
         want[order.indices[keep]] = probs[order.indices[keep]]
         want /= want.sum()
-        q = proposal.draft_probs[k + j]
+        q = draft_probs[k + j]
         torch.testing.assert_close(q, want, atol=2e-5, rtol=1e-4)
         assert q[random_drafts[j]] > 0
 
@@ -142,13 +142,12 @@ def test_batched_equals_one_by_one(tiny_model_dir):
               SamplingParams(temperature=0.5, min_p=0.05, seed=9)]
     batch = Batch(worker, prompts, params)
     ks = [3, 5, 0, 1, 5]
-    batched = DraftModelProposer.self_speculation(worker, 2).propose(
-        batch.requests, ks, worker.block_tables)
+    batched = DraftModelProposer.self_speculation(worker, 2).propose(batch.requests, ks)
     looped = propose_one_by_one(DraftModelProposer.self_speculation(worker, 2), batch.requests,
-                                ks, worker.block_tables)
-    assert batched.draft_token_ids == looped.draft_token_ids
-    assert [len(d) for d in batched.draft_token_ids] == ks
-    torch.testing.assert_close(batched.draft_probs, looped.draft_probs, atol=1e-5, rtol=1e-4)
+                                ks)
+    assert batched[0] == looped[0]
+    assert [len(d) for d in batched[0]] == ks
+    torch.testing.assert_close(batched[1], looped[1], atol=1e-5, rtol=1e-4)
 
 
 def test_lookahead_cap_and_bad_layers(tiny_model_dir):
@@ -158,7 +157,7 @@ def test_lookahead_cap_and_bad_layers(tiny_model_dir):
     proposer = DraftModelProposer.self_speculation(worker, 1)
     r = batch.requests[0]
     capacity = len(worker.block_tables.get_block_ids(r.request_id)) * BLOCK_SIZE
-    assert proposer.drafts_that_fit(r, 32, worker.block_tables) == capacity - r.num_tokens + 1
+    assert proposer.drafts_that_fit(r, 32) == capacity - r.num_tokens + 1
     with pytest.raises(ValueError, match="num_draft_layers"):
         worker.model.first_layers(4)
     with pytest.raises(ValueError, match="num_draft_layers"):
@@ -188,8 +187,7 @@ def test_separate_draft_model_over_rounds(tiny_model_dir):
     k = 3
     rounds = 0
     while r.num_output_tokens < 9:
-        proposal = proposer.propose([r], [k], worker.block_tables)
-        drafts = proposal.draft_token_ids[0]
+        drafts = proposer.propose([r], [k])[0][0]
         assert drafts == hf_greedy(draft, r.all_token_ids, k), f"round {rounds}"
         # Greedy verification against the target's own continuation.
         done = r.num_output_tokens
@@ -201,5 +199,7 @@ def test_separate_draft_model_over_rounds(tiny_model_dir):
         r.num_computed_tokens = r.num_tokens - 1
         rounds += 1
     assert rounds >= 3
-    proposer.remove_requests([r.request_id])
-    assert r.request_id not in proposer.num_cached
+    # A preemption voids the draft's cache: it starts again from position 0.
+    assert proposer.first_uncached(r) == r.num_tokens - 1
+    r.num_preemptions += 1
+    assert proposer.first_uncached(r) == 0

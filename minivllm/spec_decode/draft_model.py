@@ -24,9 +24,9 @@ Two kinds of draft model (``SpeculativeConfig.method == "draft_model"``):
   remembers how many positions of each request it has computed; a position
   holds valid draft K/V if the draft computed it and the token there was
   accepted, and the first draft step of a round computes everything after
-  that (the whole prompt the first time). The engine must call
-  :meth:`DraftModelProposer.remove_requests` for finished and preempted
-  requests (their blocks go to others).
+  that (the whole prompt the first time). A preemption (the request's
+  ``num_preemptions`` changes) moves the request to new blocks and voids
+  what the draft had; finished requests are forgotten.
 
 Drafts are sampled from ``q = softmax(filter(draft_logits))``: the request's
 temperature, min-p, top-k and top-p, through the engine's sampler component;
@@ -49,7 +49,6 @@ batched one to.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -66,68 +65,69 @@ def draft_seed(seed: int) -> int:
     return (seed * _SEED_MULT + _SEED_ADD) % 2**64
 
 
-@dataclass(frozen=True)
-class DraftProposal:
-    """One round of drafts for a batch.
-
-    Attributes:
-        draft_token_ids: per request its drafts (possibly fewer than asked, or none).
-        draft_probs: ``(num_draft_tokens, V)`` float32, row ``j`` of request
-            ``i`` is the ``q`` its ``j``-th draft was sampled from; requests in order.
-    """
-
-    draft_token_ids: list[list[int]]
-    draft_probs: torch.Tensor
+#: What a proposer returns (:class:`~minivllm.spec_decode.proposer.Proposer`): per
+#: request its drafts (possibly fewer than asked, or none), and ``draft_probs``
+#: ``(num_draft_tokens, V)`` float32, row ``j`` of request ``i`` the ``q`` its
+#: ``j``-th draft was sampled from, requests in order.
+DraftProposal = tuple[list[list[int]], torch.Tensor]
 
 
 class DraftModelProposer:
-    """Proposes drafts with a draft model over a paged KV cache.
+    """Proposes drafts with a draft model over a paged KV cache (the ``Proposer`` protocol).
 
     Build it with :meth:`self_speculation` or :meth:`separate` once the
-    target's KV cache exists (``Worker.init_kv_cache``).
+    target's KV cache exists (``Worker.init_kv_cache``), or through
+    :func:`make_draft_proposer` from an engine's executor.
 
     Args:
         model: the draft model (a :class:`~minivllm.model.llama.LlamaForCausalLM`
             or a :meth:`first_layers` view of the target).
         kv_caches: one ``(k_cache, v_cache)`` per draft layer.
+        block_tables: the worker's block tables (the target's rows, read at each call).
         vocab_size: ``V`` of the target (the draft's must be the same).
-        device: where the draft runs.
         shares_target_cache: True for self-speculation: positions the target
             computed are valid for the draft.
         components: the engine's components (its sampler filters the logits).
         seed: seed of the generator for unseeded random requests.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, vocab_size: int,
-                 device: torch.device | str, shares_target_cache: bool,
-                 components: backend.Components | None = None, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_tables, vocab_size: int,
+                 shares_target_cache: bool, components: backend.Components | None = None,
+                 seed: int = 0) -> None:
         from minivllm.engine.cpu_fast_path import CPUFastPath
 
         self.model = model
         self.kv_caches = kv_caches
+        self.block_tables = block_tables
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
+        self.device = kv_caches[0][0].device
         self.shares_target_cache = shares_target_cache
         self.sampler = backend.as_components(components).sampler
         self.fast_path = CPUFastPath.build(model, kv_caches)  # None where it cannot run
         self.generator = torch.Generator(device=self.device).manual_seed(draft_seed(seed))
         self.seeded_generators: dict[str, torch.Generator] = {}
-        self.num_cached: dict[str, int] = {}  # separate draft: positions with valid draft K/V
+        # A separate draft: request id -> (the request, its preemption count, the
+        # positions with valid draft K/V). A preemption moves the request to new blocks.
+        self.num_cached: dict[str, tuple[Request, int, int]] = {}
 
     @classmethod
     def self_speculation(cls, worker, num_draft_layers: int | None,
                          seed: int = 0) -> DraftModelProposer:
         """The target's first ``num_draft_layers`` layers (None: all) on its own KV cache."""
-        layers = num_draft_layers or worker.num_layers
+        layers = worker.num_layers if num_draft_layers is None else num_draft_layers
         draft = worker.model.first_layers(layers)
-        return cls(draft, worker.kv_caches[:layers], worker.model.config.vocab_size,
-                   worker.device, shares_target_cache=True, components=worker.components,
-                   seed=seed)
+        return cls(draft, worker.kv_caches[:layers], worker.block_tables,
+                   worker.model.config.vocab_size, shares_target_cache=True,
+                   components=worker.components, seed=seed)
 
     @classmethod
     def separate(cls, worker, model: str, num_draft_layers: int | None = None,
                  seed: int = 0) -> DraftModelProposer:
-        """A separate draft model at ``model``, with its own KV cache on the target's block ids."""
+        """A separate draft model at ``model``, with its own KV cache on the target's block ids.
+
+        The cache has the target's ``num_blocks``; it is not counted in the
+        engine's KV memory budget (``Worker.bytes_per_block``), so leave room.
+        """
         from minivllm.model.loader import load_model
 
         draft, config, _ = load_model(model, dtype=worker.dtype, device=worker.device,
@@ -145,49 +145,50 @@ class DraftModelProposer:
         kv_caches = [(torch.zeros(shape, dtype=worker.dtype, device=worker.device),
                       torch.zeros(shape, dtype=worker.dtype, device=worker.device))
                      for _ in draft.model.layers]
-        return cls(draft, kv_caches, vocab, worker.device, shares_target_cache=False,
+        return cls(draft, kv_caches, worker.block_tables, vocab, shares_target_cache=False,
                    components=worker.components, seed=seed)
-
-    def remove_requests(self, req_ids: Sequence[str]) -> None:
-        """Forget finished or preempted requests (their blocks may be reused)."""
-        for req_id in req_ids:
-            self.num_cached.pop(req_id, None)
-            self.seeded_generators.pop(req_id, None)
 
     def first_uncached(self, request: Request) -> int:
         """The first position whose draft K/V must be computed before drafting.
 
         Every token but the last (just sampled) is in the target's cache; the
-        draft's own cache holds what it computed and was accepted since.
+        draft's own cache holds what it computed and was accepted since (a
+        preemption, which moves the request to new blocks, voids it).
         """
         n = request.num_tokens - 1
         if self.shares_target_cache:
             return n
-        return min(self.num_cached.get(request.request_id, 0), n)
+        _, preemptions, cached = self.num_cached.get(request.request_id, (None, -1, 0))
+        return min(cached, n) if preemptions == request.num_preemptions else 0
 
-    def drafts_that_fit(self, request: Request, k: int, block_tables) -> int:
+    def drafts_that_fit(self, request: Request, k: int) -> int:
         """``k`` capped so that every position the draft writes has a slot.
 
         Draft step ``j`` writes position ``num_tokens - 1 + j``; the scheduler's
-        lookahead slots normally cover all ``k``, this guard only bites without them.
+        lookahead slots (``num_lookahead_tokens``) cover all ``k``, so this
+        guard only bites without them.
         """
-        capacity = len(block_tables.get_block_ids(request.request_id)) * block_tables.block_size
+        tables = self.block_tables
+        capacity = len(tables.get_block_ids(request.request_id)) * tables.block_size
         return max(0, min(k, capacity - request.num_tokens + 1))
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], num_draft_tokens: Sequence[int],
-                block_tables) -> DraftProposal:
-        """Up to ``num_draft_tokens[i]`` drafts for each of ``requests``, all batched.
+    def propose(self, requests: Sequence[Request], max_num_drafts: Sequence[int]
+                ) -> DraftProposal:
+        """Up to ``max_num_drafts[i]`` drafts for each of ``requests``, all batched.
 
         Args:
             requests: requests that have just sampled (their last token is not
-                yet computed), in batch order.
-            num_draft_tokens: the most drafts for each (capped by the caller
+                yet computed), in batch order; each has a block-table row.
+            max_num_drafts: the most drafts for each (capped by the caller
                 for ``max_tokens`` and ``max_model_len``; 0 for none).
-            block_tables: the worker's block tables (every request has a row).
+
+        Returns:
+            ``(drafts, draft_probs)``; step ``j`` runs one forward pass over
+            every request that wants a ``j``-th draft.
         """
-        ks = [self.drafts_that_fit(r, k, block_tables) if k > 0 else 0
-              for r, k in zip(requests, num_draft_tokens, strict=True)]
+        ks = [self.drafts_that_fit(r, k) if k > 0 else 0
+              for r, k in zip(requests, max_num_drafts, strict=True)]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for j in range(max(ks, default=0)):
@@ -195,13 +196,12 @@ class DraftModelProposer:
             chunks = []
             for i in rows:
                 r = requests[i]
-                n = r.num_tokens - 1
-                if j == 0:
+                if j == 0:  # the uncached tokens (self-speculation: the last one alone)
                     start = self.first_uncached(r)
                     chunks.append((start, r.all_token_ids[start:]))
-                else:
-                    chunks.append((n + j, [drafts[i][-1]]))
-            logits = self._forward([requests[i] for i in rows], chunks, block_tables)
+                else:  # the previous draft, at position num_tokens - 1 + j
+                    chunks.append((r.num_tokens - 1 + j, [drafts[i][-1]]))
+            logits = self._forward([requests[i] for i in rows], chunks)
             tokens, q = self._sample(logits, [requests[i] for i in rows])
             for i, t, qi in zip(rows, tokens, q):
                 drafts[i].append(t)
@@ -210,22 +210,27 @@ class DraftModelProposer:
         return _proposal(drafts, probs, self.vocab_size, self.device)
 
     def _remember(self, requests: Sequence[Request], ks: Sequence[int]) -> None:
-        if not self.shares_target_cache:
-            for r, k in zip(requests, ks):
-                if k:  # it computed positions up to num_tokens - 1 + k - 1
-                    self.num_cached[r.request_id] = r.num_tokens - 1 + k
+        """A separate draft: record what its cache now holds; forget finished requests."""
+        if self.shares_target_cache:
+            return
+        for r, k in zip(requests, ks):
+            if k:  # it computed positions up to num_tokens - 1 + k - 1
+                self.num_cached[r.request_id] = (r, r.num_preemptions, r.num_tokens - 1 + k)
+        for req_id in [i for i, (r, _, _) in self.num_cached.items() if r.is_finished()]:
+            del self.num_cached[req_id]
+            self.seeded_generators.pop(req_id, None)
 
-    def _forward(self, requests: Sequence[Request], chunks: list[tuple[int, list[int]]],
-                 block_tables) -> torch.Tensor:  # (len(requests), V)
-        """One draft forward pass over ``chunks[i] = (start, tokens)``; the last row's logits."""
+    def _forward(self, requests: Sequence[Request],
+                 chunks: list[tuple[int, list[int]]]) -> torch.Tensor:  # (len(requests), V)
+        """One draft forward pass over ``chunks[i] = (start, tokens)``; each last row's logits."""
         req_ids = [r.request_id for r in requests]
         starts = [s for s, _ in chunks]
         counts = [len(t) for _, t in chunks]
         md = AttentionMetadata.build(
             query_lens=counts,
             seq_lens=[s + n for s, n in zip(starts, counts)],
-            block_tables=block_tables.block_table_tensor(req_ids),
-            slot_mapping=block_tables.slot_mapping(req_ids, starts, counts),
+            block_tables=self.block_tables.block_table_tensor(req_ids),
+            slot_mapping=self.block_tables.slot_mapping(req_ids, starts, counts),
             device=self.device,
         )
         ids = torch.tensor([t for _, toks in chunks for t in toks], dtype=torch.int64)
@@ -252,6 +257,23 @@ class DraftModelProposer:
         md = SamplingMetadata.from_requests(list(requests), self.vocab_size, self.device,
                                             self.generator, self.seeded_generators)
         return sample_drafts(logits, md, self.sampler)
+
+
+def make_draft_proposer(config, executor, seed: int = 0) -> DraftModelProposer:
+    """The proposer of ``speculative_config`` method ``draft_model`` for an engine's executor.
+
+    The draft runs beside the target, in the process that holds its model and
+    KV cache: one in-process worker (``tensor_parallel_size=1``, or the ref's
+    simulated ranks). ``ValueError`` for worker processes.
+    """
+    worker = getattr(executor, "worker", None)
+    if worker is None:
+        raise ValueError("speculative_config.method 'draft_model' needs the model in this "
+                         "process (tensor_parallel_size=1, or the ref's simulated ranks); "
+                         "with one process per rank use method 'ngram'")
+    if config.model is None:
+        return DraftModelProposer.self_speculation(worker, config.num_draft_layers, seed)
+    return DraftModelProposer.separate(worker, config.model, config.num_draft_layers, seed)
 
 
 def sample_drafts(logits: torch.Tensor, metadata: SamplingMetadata, sampler
@@ -282,12 +304,12 @@ def _proposal(drafts: list[list[int]], probs: list[list[torch.Tensor]], vocab_si
     rows = [q for per_request in probs for q in per_request]
     draft_probs = (torch.stack(rows) if rows else
                    torch.zeros(0, vocab_size, dtype=torch.float32, device=device))
-    return DraftProposal(draft_token_ids=drafts, draft_probs=draft_probs)
+    return drafts, draft_probs
 
 
 @torch.inference_mode()
 def propose_one_by_one(proposer: DraftModelProposer, requests: Sequence[Request],
-                       num_draft_tokens: Sequence[int], block_tables) -> DraftProposal:
+                       max_num_drafts: Sequence[int]) -> DraftProposal:
     """The reference: :meth:`DraftModelProposer.propose` as a plain loop, one token a pass.
 
     For each request in turn, its uncached tokens one by one, then its drafts
@@ -298,8 +320,8 @@ def propose_one_by_one(proposer: DraftModelProposer, requests: Sequence[Request]
     drafts: list[list[int]] = []
     probs: list[list[torch.Tensor]] = []
     ks = []
-    for r, k in zip(requests, num_draft_tokens, strict=True):
-        k = proposer.drafts_that_fit(r, k, block_tables) if k > 0 else 0
+    for r, k in zip(requests, max_num_drafts, strict=True):
+        k = proposer.drafts_that_fit(r, k) if k > 0 else 0
         ks.append(k)
         mine: list[int] = []
         mine_q: list[torch.Tensor] = []
@@ -308,7 +330,7 @@ def propose_one_by_one(proposer: DraftModelProposer, requests: Sequence[Request]
             tokens = list(r.all_token_ids)
             for pos in range(proposer.first_uncached(r), n + k):
                 token = tokens[pos] if pos <= n else mine[-1]
-                logits = proposer._forward([r], [(pos, [token])], block_tables)
+                logits = proposer._forward([r], [(pos, [token])])
                 if pos >= n:  # the logits after position n + j predict draft j
                     t, q = proposer._sample(logits, [r])
                     mine.append(t[0])

@@ -90,6 +90,10 @@ def make_proposer(config: SpeculativeConfig, components: backend.Components,
     """The proposer ``config.method`` names (``executor``: what a draft model runs on)."""
     if config.method == "ngram":
         return NgramProposer(config, components)
+    if config.method == "draft_model":
+        from minivllm.spec_decode.draft_model import make_draft_proposer
+
+        return make_draft_proposer(config, executor)
     raise ValueError(f"speculative_config.method {config.method!r} has no proposer in this "
                      f"engine yet (built: 'ngram')")
 
