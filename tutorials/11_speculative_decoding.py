@@ -123,7 +123,7 @@ fig.savefig(figure_path("11_pass_cost.png"), dpi=120)
 # a pass of ``k + 1`` tokens costs far less than ``k + 1`` passes (the ratios
 # are printed above). It is not free on a CPU, though. On the 2-core
 # development machine a 2-token pass cost about 1.6 times a 1-token one and
-# passes of 3 to 12 tokens about 2.5 times. Most of that is float32 matrix
+# passes of 3 to 12 tokens 2.1 to 2.7 times. Most of that is float32 matrix
 # multiplication of a few rows: a 1-row product is a GEMV that streams the
 # weight once, while torch's GEMM for 2 to 16 rows first packs the weight, and
 # the LM head (49152 × 576, for every query row) then costs 2 to 3 times its
@@ -395,10 +395,11 @@ for k in (1, 3, 5):
 # head and the per-step overhead do not shrink with ``L``): every
 # self-speculation point sits below 1, exact but slower. The stars come from
 # single runs on a shared machine and move by tens of percent between runs; on
-# the 2-core development machine under load n-gram gave 0.9-1.0x at ``k = 1``,
-# 1.25-1.5x at ``k = 3`` and 1.5-2.2x at ``k = 5``, and self-speculation
-# (``L = 28``, ``k = 3``) 0.45-0.6x, a little above its model because the
-# back-off pauses drafting while acceptance is low. Every run emitted exactly
+# the 2-core development machine under load (load average 5 to 7) n-gram gave
+# 0.94x at ``k = 1``, 1.25x and 1.49x at ``k = 3`` (two runs) and 2.2x at
+# ``k = 5``, and self-speculation (``L = 28``, ``k = 3``) 0.45x and 0.61x, a
+# little above its model because the back-off pauses drafting while
+# acceptance is low. Every run emitted exactly
 # the tokens of plain greedy decoding (printed above).
 
 # %% [markdown]
