@@ -222,8 +222,10 @@ class Scheduler:
                 if not self.scheduler_config.enable_chunked_prefill:
                     break  # the whole prompt must fit in one step
                 num_new_tokens = token_budget
+            num_lookahead = min(self.scheduler_config.num_lookahead_tokens,
+                                self.max_model_len - num_computed_tokens - num_new_tokens)
             if self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks
+                request, num_new_tokens, computed_blocks, max(num_lookahead, 0)
             ) is None:
                 break  # the pool is full: later requests wait their turn too
             self.waiting.popleft()
