@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -50,6 +51,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' '
+                        '(docs/speculative_decoding.md)')
+
+
+def _json_dict(text: str) -> dict:
+    """A JSON object given on the command line (argparse reports a bad one)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +89,7 @@ def _make_llm(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        seed=args.seed,
+        seed=args.seed, speculative_config=args.speculative_config,
     )
 
 

@@ -51,14 +51,21 @@ class SchedulerConfig:
         max_model_len: longest sequence (prompt + output) allowed.
         enable_chunked_prefill: split prompts longer than the remaining budget
             across steps; off means a prompt is scheduled whole or not at all.
+        num_lookahead_tokens: KV slots reserved beyond each scheduled chunk
+            (vLLM's name): a draft-model proposer writes its drafts' K/V there
+            after the step. 0 without one (n-gram drafts need no slots until
+            they are verified, and then they are scheduled tokens).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
+        _require(0 <= self.num_lookahead_tokens <= 32, "num_lookahead_tokens",
+                 self.num_lookahead_tokens, "in [0, 32]")
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _require(
             self.max_num_batched_tokens >= 1,

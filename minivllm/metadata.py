@@ -50,6 +50,11 @@ class SchedulerOutput:
             worker needs to keep its own block table in step with the
             scheduler, as vLLM v1's ``NewRequestData.block_ids`` and
             ``CachedRequestData.new_block_ids`` do.
+        scheduled_spec_decode_tokens: request_id -> the draft tokens it
+            verifies this step (speculative decoding; vLLM's name). Such a
+            request computes its last sampled token plus these drafts, so its
+            ``num_scheduled_tokens`` is ``1 + len(drafts)``; requests without
+            drafts are absent.
         num_prefix_cache_queries: tokens of the requests admitted this step
             that were looked up in the prefix cache.
         num_prefix_cache_hits: of those, tokens found there (not recomputed).
@@ -62,6 +67,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     new_req_ids: list[str] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
 

@@ -195,6 +195,11 @@ class StepStats:
         num_prefix_cache_queries: prompt tokens looked up in the prefix cache
             (requests admitted this step).
         num_prefix_cache_hits: of those, tokens found cached.
+        num_drafts / num_draft_tokens / num_accepted_tokens /
+        num_accepted_tokens_per_pos: speculative decoding, vLLM's
+            ``SpecDecodingStats``: requests that verified drafts this step,
+            drafts verified, drafts accepted, and per draft position ``j``
+            how many requests accepted draft ``j`` (all 0 / empty without it).
     """
 
     step: int
@@ -208,6 +213,22 @@ class StepStats:
     num_free_blocks: int
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted drafts / verified drafts (None if none were verified)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verified request: ``1 + accepted / drafts``, the extra
+        (recovered or bonus) token counted, as vLLM reports it."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -216,7 +237,8 @@ class StepStats:
 
     @property
     def num_decode_tokens(self) -> int:
-        return len(self.decode_req_ids)
+        """Tokens of the decodes (a decode verifying ``d`` drafts computes ``1 + d``)."""
+        return sum(self.num_scheduled_tokens[r] for r in self.decode_req_ids)
 
     @property
     def num_prefill_tokens(self) -> int:

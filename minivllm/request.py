@@ -59,6 +59,10 @@ class Request:
         status: a :class:`RequestStatus`.
         stop_reason: the stop string or token id that ended it, if any.
         num_preemptions: how often it was preempted and recomputed.
+        spec_token_ids: draft tokens proposed for its next step (speculative
+            decoding; vLLM's name). The scheduler moves them into the step it
+            schedules (``SchedulerOutput.scheduled_spec_decode_tokens``); a
+            preemption drops them.
         block_hashes: chained hashes of its full blocks computed so far
             (:mod:`minivllm.prefix_hash`), filled in by the KV cache manager
             when prefix caching is on. They live on the request, as in vLLM
@@ -87,6 +91,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []
         # max_tokens=None means "until max_model_len"; the scheduler fills it in.
         self.max_tokens = sampling_params.max_tokens
 
@@ -97,6 +102,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """``num_tokens`` plus the drafts waiting to be verified."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -206,6 +206,11 @@ _TASKS = (
           "tests/test_quantization.py::test_int8_round_trip_error_is_at_most_half_a_step",
           "tests/test_quantization.py::test_int8_per_group_and_gemv"),
          5, ("docs/quantization.md", "tutorials/09_bytes_per_weight.py")),
+    Task("rejection_sampler", "Speculative decoding: the rejection sampler", "rejection_sampler",
+         "rejection_sampler", ("verify_greedy", "verify_random"),
+         ("tests/test_rejection_sampler.py",), 8,
+         ("docs/speculative_decoding.md", "tutorials/11_speculative_decoding.py"),
+         exclude=("tests/test_rejection_sampler.py::test_triton_kernel_equals_ref_exactly",)),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

@@ -156,6 +156,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "return (partial * scales).sum(dim=-1)  # (M, N)",
            "return partial.sum(dim=-1) * scales.mean(dim=-1)  # (M, N)",
            "the GEMV applies one averaged scale per row instead of each group's own"),
+    Mutant("recover_from_p", "rejection_sampler", "rejection_sampler",
+           "residual = torch.clamp(p - q, min=0)", "residual = p.clone()",
+           "a rejected draft is replaced by a token from p instead of norm(max(p - q, 0))"),
+    Mutant("greedy_emits_rejected_draft", "rejection_sampler", "rejection_sampler",
+           "tokens.append(target)", "tokens.append(draft)",
+           "greedy verification emits the rejected draft instead of the target's argmax"),
 )
 
 

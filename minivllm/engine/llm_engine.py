@@ -35,6 +35,9 @@ from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.proposer import num_lookahead_tokens
+from minivllm.spec_decode.step import SpecDecoder, SpecStats
 
 logger = logging.getLogger("minivllm")
 
@@ -80,7 +83,9 @@ class EngineConfig:
     ``kv_cache_memory`` (bytes) sizes the KV pool on a CPU;
     ``gpu_memory_utilization`` (fraction of the GPU's memory the whole engine
     may use) sizes it on CUDA. ``num_gpu_blocks_override`` fixes the number of
-    blocks directly (tests use it to force preemption).
+    blocks directly (tests use it to force preemption). ``speculative_config``
+    (vLLM's dict, or a :class:`~minivllm.spec_decode.config.SpeculativeConfig`)
+    turns on speculative decoding (docs/speculative_decoding.md).
     """
 
     model: str = "smollm2"
@@ -100,6 +105,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     quantization: str | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one ``_require`` rule each)."""
@@ -122,6 +128,8 @@ class EngineConfig:
             _require(_is_int(value) and lo <= value <= hi, name, value,
                      f"an int in [{lo}, {hi}]")
         check_quantization(self.quantization)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
@@ -220,6 +228,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            num_lookahead_tokens=num_lookahead_tokens(config.speculative_config),
         )
         self.cache_config = CacheConfig(config.block_size, num_blocks,
                                         config.enable_prefix_caching)
@@ -227,6 +236,9 @@ class LLMEngine:
             self.scheduler_config, self.cache_config, components=self.components
         )
         self.runner = ModelRunner(self.vocab_size, device, config.seed, self.components)
+        self.spec = None if config.speculative_config is None else SpecDecoder(
+            config.speculative_config, self.components, self.vocab_size, max_model_len,
+            executor=self.executor)
         self.device, self.dtype = device, dtype
         self.eos_token_id = self.tokenizer.eos_token_id
         self.states: dict[str, _RequestState] = {}
@@ -349,6 +361,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
         self.runner.remove_request(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -364,20 +378,24 @@ class LLMEngine:
         with record_function("schedule"):
             scheduler_output = self.scheduler.schedule()
         # Which chunks are decodes is known only before the step advances the requests.
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         decode_ids = frozenset(
             r.request_id for r in scheduler_output.scheduled_requests
-            if scheduler_output.num_scheduled_tokens[r.request_id] == 1
+            if scheduler_output.num_scheduled_tokens[r.request_id]
+            == 1 + len(spec_tokens.get(r.request_id, ()))
             and r.num_computed_tokens >= r.num_prompt_tokens
         )
         outputs: list[RequestOutput] = []
         finished_ids: list[str] = []
+        spec_stats = SpecStats()
+        step = next(self._step_index)
         # A step without tokens still carries block-table changes (aborts,
         # preemptions) that every worker's table must see before the next one.
         if not scheduler_output.is_empty or scheduler_output.removed_req_ids:
-            outputs = self._run_step(scheduler_output)
+            outputs, spec_stats = self._run_step(scheduler_output, step)
             finished_ids = [o.request_id for o in outputs if o.finished]
         stats = StepStats(
-            step=next(self._step_index),
+            step=step,
             num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
             decode_req_ids=decode_ids,
             preempted_req_ids=tuple(scheduler_output.preempted_req_ids),
@@ -388,11 +406,19 @@ class LLMEngine:
             num_free_blocks=self.scheduler.num_free_blocks,
             num_prefix_cache_queries=scheduler_output.num_prefix_cache_queries,
             num_prefix_cache_hits=scheduler_output.num_prefix_cache_hits,
+            num_drafts=spec_stats.num_drafts,
+            num_draft_tokens=spec_stats.num_draft_tokens,
+            num_accepted_tokens=spec_stats.num_accepted_tokens,
+            num_accepted_tokens_per_pos=spec_stats.num_accepted_tokens_per_pos,
         )
         return outputs, stats
 
-    def _run_step(self, scheduler_output) -> list[RequestOutput]:
+    def _run_step(self, scheduler_output, step: int) -> tuple[list[RequestOutput], SpecStats]:
         """Prepare inputs, run the model, sample and detokenize one scheduled batch.
+
+        With speculative decoding the sampling is a verification
+        (:class:`~minivllm.spec_decode.step.SpecDecoder`), a request emits
+        one or more tokens, and new drafts are proposed at the end.
 
         Isolation: a failure that belongs to one request (building its inputs,
         sampling it, detokenizing it, matching its stop strings) ends that
@@ -407,20 +433,34 @@ class LLMEngine:
         outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
         with record_function("forward"):
             logits = self.executor.execute_model(step_input)
+        spec_stats = SpecStats()
         if logits is None:
-            return outputs  # only block-table changes (or nothing left) this step
+            return outputs, spec_stats  # only block-table changes (or nothing left) this step
         with record_function("sample"):
             # A step of prefill chunks alone samples nothing, but still advances them.
-            rows = self._sample(logits, sampling_reqs, outputs) if sampling_reqs else []
-        sampled = {r.request_id: token for r, token, _ in rows}
+            if not sampling_reqs:
+                rows = []
+            elif self.spec is None:
+                rows = self._sample(logits, sampling_reqs, outputs)
+            else:
+                rows, spec_stats = self.spec.sample(
+                    self.runner, logits, sampling_reqs, scheduler_output, step,
+                    fail=lambda req, e: outputs.append(self._fail(req, e)))
+        num_before = {r.request_id: r.num_output_tokens for r, _, _ in rows}
+        sampled = {r.request_id: tokens for r, tokens, _ in rows}
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
+        # What the scheduler kept: a stop inside an accepted run drops the rest.
+        rows = [(r, r.output_token_ids[num_before[r.request_id]:], lp) for r, _, lp in rows]
         with record_function("detokenize"):
             outputs += self._make_outputs(rows, finished)
-        return outputs
+        if self.spec is not None:
+            with record_function("propose"):
+                self.spec.propose(self.scheduler.running, step + 1)
+        return outputs, spec_stats
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request],
-                outputs: list[RequestOutput]) -> list[tuple[Request, int, tuple | None]]:
-        """Sample every row; ``(request, token, logprob row)`` for each that did.
+                outputs: list[RequestOutput]) -> list[tuple[Request, list[int], list | None]]:
+        """Sample every row; ``(request, [token], [logprob row])`` for each that did.
 
         If the batched sampler raises, each row is sampled on its own (from
         the generator states it had before) to find the requests it belongs
@@ -447,12 +487,12 @@ class LLMEngine:
         """Detokenize, match stop strings and build each sampled request's output."""
         finished_ids = {r.request_id for r in finished}
         outputs = []
-        for req, token, lp_row in rows:
+        for req, tokens, lp_rows in rows:
             state = self.states.get(req.request_id)
-            if state is None:
+            if state is None or not tokens:
                 continue
             try:
-                output = self._advance(req, state, token, lp_row, finished_ids)
+                output = self._advance(req, state, tokens, lp_rows, finished_ids)
             except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
                 outputs.append(self._fail(req, e))
                 continue
@@ -462,19 +502,33 @@ class LLMEngine:
                 self._forget(req.request_id)
         return outputs
 
-    def _advance(self, req: Request, state: _RequestState, token: int, lp_row,
+    def _advance(self, req: Request, state: _RequestState, tokens: list[int], lp_rows,
                  finished_ids: set[str]) -> RequestOutput | None:
-        """One request's new token: its logprobs, text and stop strings; its output."""
-        if state.logprobs is not None and lp_row is not None:
-            logprobs = self._logprob_dict(req, *lp_row)
-            state.logprobs.append(logprobs)
-            state.cumulative_logprob += logprobs[token].logprob
-        stop_str = state.detokenizer.update([token])
-        if stop_str is not None:
+        """One request's new tokens: their logprobs, text and stop strings; its output.
+
+        Token by token, so that a stop string inside a speculative run ends
+        the request at the token plain decoding would have ended it at: the
+        tokens after it are taken back off the request.
+        """
+        for i, token in enumerate(tokens):
+            if state.logprobs is not None and lp_rows is not None:
+                logprobs = self._logprob_dict(req, *lp_rows[i])
+                state.logprobs.append(logprobs)
+                state.cumulative_logprob += logprobs[token].logprob
+            stop_str = state.detokenizer.update([token])
+            if stop_str is None:
+                continue
             req.stop_reason = stop_str
+            num_after = len(tokens) - 1 - i
+            if num_after:
+                del req.output_token_ids[-num_after:]
+                del req.all_token_ids[-num_after:]
             if req.request_id not in finished_ids:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 finished_ids.add(req.request_id)
+            elif num_after:  # the scheduler stopped it at a later token
+                req.status = RequestStatus.FINISHED_STOPPED
+            break
         return self._output(req, state, req.request_id in finished_ids)
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
@@ -556,12 +610,13 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _rows(sampler_output, reqs: list[Request]) -> list[tuple[Request, int, tuple | None]]:
-    """Per row: the request, its sampled token, and its logprob row ``(ids, vals, rank)``."""
+def _rows(sampler_output, reqs: list[Request]) -> list[tuple[Request, list[int], list | None]]:
+    """Per row: the request, ``[its sampled token]`` and ``[its logprob row (ids, vals,
+    rank)]`` (lists: with speculative decoding a request emits several tokens)."""
     tokens = sampler_output.sampled_token_ids.tolist()
     lp = sampler_output.logprobs
     if lp is None:
-        return [(r, t, None) for r, t in zip(reqs, tokens)]
+        return [(r, [t], None) for r, t in zip(reqs, tokens)]
     rows = zip(lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
                lp.selected_token_ranks.tolist())
-    return [(r, t, row) for r, t, row in zip(reqs, tokens, rows)]
+    return [(r, [t], [row]) for r, t, row in zip(reqs, tokens, rows)]

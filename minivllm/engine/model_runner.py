@@ -73,16 +73,20 @@ class ModelRunner:
 
         Returns the step input, the requests that sample a token this step
         (those whose every token will have been computed after this step: a
-        prefill chunk that is not the last one produces no token), and the
+        prefill chunk that is not the last one produces no token; a request
+        verifying ``d`` drafts has ``1 + d`` logits rows), and the
         requests whose inputs could not be built (request id -> the error).
         Those are left out of the batch; the engine aborts them alone.
         """
         reqs, starts, counts, chunks = [], [], [], []
         failed: dict[str, Exception] = {}
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for r in scheduler_output.scheduled_requests:
             s, n = r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.request_id]
+            drafts = spec_tokens.get(r.request_id, [])
             try:
-                chunk = self._request_tokens(r, s, n)
+                # A decode with drafts: its last sampled token, then the drafts.
+                chunk = self._request_tokens(r, s, n - len(drafts)) + drafts
             except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
                 failed[r.request_id] = e
                 continue
@@ -99,9 +103,12 @@ class ModelRunner:
         for r, s, n, chunk in zip(reqs, starts, counts, chunks):
             token_ids.extend(chunk)
             positions.extend(range(s, s + n))
-            if s + n == r.num_tokens:
-                # Its last scheduled token's logits predict the next token.
-                logits_indices.append(len(token_ids) - 1)
+            num_drafts = len(spec_tokens.get(r.request_id, ()))
+            if s + n - num_drafts == r.num_tokens:
+                # Its last real token's logits predict the next token; each draft's
+                # logits, the token after it (speculation: 1 + d rows, in order).
+                end = len(token_ids)
+                logits_indices.extend(range(end - 1 - num_drafts, end))
                 sampling.append(r)
         new_block_ids = scheduler_output.new_block_ids
         step_input = StepInput(

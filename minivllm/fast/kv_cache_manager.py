@@ -31,16 +31,19 @@ class KVCacheManager(_ref.KVCacheManager):
     """
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Blocks for ``num_new_tokens`` more tokens; None if the pool is too small now."""
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is not None and not new_computed_blocks:
             num_total_tokens = request.num_computed_tokens + num_new_tokens
+            num_final = min(num_total_tokens, request.num_tokens)  # what may be cached
             # Fast path (most decodes): room left in the last block, no block fills up.
-            if num_total_tokens <= len(blocks) * self.block_size and (
+            if num_total_tokens + num_lookahead_tokens <= len(blocks) * self.block_size and (
                 not self.enable_prefix_caching
-                or num_total_tokens // self.block_size <= self.num_cached_blocks[request.request_id]
+                or num_final // self.block_size <= self.num_cached_blocks[request.request_id]
             ):
                 return []
-        return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
+        return super().allocate_slots(request, num_new_tokens, new_computed_blocks,
+                                      num_lookahead_tokens)

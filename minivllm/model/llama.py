@@ -310,6 +310,38 @@ class LlamaForCausalLM(nn.Module):
             )
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """This model cut after its first ``num_layers`` decoder layers (a view, no copy).
+
+        The view runs the embedding, layers ``0 .. num_layers - 1``, the final
+        norm and the LM head, all of them the very modules (and weights) of
+        this model: LayerSkip-style self-speculation, where the early exit is
+        the draft model (:mod:`minivllm.spec_decode.draft_model`). Its forward
+        takes ``kv_caches[:num_layers]``; since those layers are this model's,
+        the K/V they write are exactly what this model writes there.
+        """
+        total = len(self.model.layers)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) \
+                or not 1 <= num_layers <= total:
+            raise ValueError(f"num_draft_layers must be an int in [1, {total}] (the model's "
+                             f"layers), got {num_layers!r}")
+        cls = type(self)
+        # Built without __init__ so that no parameter is allocated: every
+        # submodule is assigned from this model (nn.Module needs its own init).
+        inner = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(inner)
+        inner.embed_tokens = self.model.embed_tokens
+        inner.rotary_emb = self.model.rotary_emb
+        inner.layers = self.model.layers[:num_layers]  # a new ModuleList of the same layers
+        inner.norm = self.model.norm
+        view = cls.__new__(cls)
+        nn.Module.__init__(view)
+        view.config, view.tp_size = self.config, self.tp_size
+        view.tie_word_embeddings = self.tie_word_embeddings
+        view.model = inner
+        view.lm_head = self.lm_head
+        return view
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (N, hidden) -> (N, V)
         """Project hidden states (usually each sequence's last token) to float32 logits."""
         with op_range("op.lm_head"):

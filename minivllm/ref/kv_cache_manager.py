@@ -72,15 +72,23 @@ class KVCacheManager:
         # END SOLUTION
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Blocks for ``num_new_tokens`` more tokens; None if the pool is too small now.
 
         Args:
             request: its ``num_computed_tokens`` tokens already have blocks.
-            num_new_tokens: tokens to compute this step.
+            num_new_tokens: tokens to compute this step (with speculative
+                decoding: its last sampled token plus its drafts).
             new_computed_blocks: prefix-cache hits from :meth:`get_computed_blocks`
                 (admission only); they come first in the request's blocks.
+            num_lookahead_tokens: slots to reserve beyond those (vLLM's name:
+                where a draft model writes its drafts' K/V after the step).
+
+        Only final tokens enter the prefix cache: a block is cached once every
+        token in it is in ``request.all_token_ids``, never while it holds a
+        draft (which may be rejected) or a lookahead slot.
 
         Returns the newly allocated block ids (possibly empty; the prefix
         hits are not among them), or None, in which case nothing changed.
@@ -91,7 +99,7 @@ class KVCacheManager:
         held = self.req_to_blocks.get(req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total_tokens = num_computed + num_new_tokens
-        num_blocks_needed = cdiv(num_total_tokens, self.block_size)
+        num_blocks_needed = cdiv(num_total_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_blocks_needed - len(held) - len(new_computed_blocks))
         # A cache hit on a free block takes it out of the free pool too.
         num_evictable_hits = sum(1 for b in new_computed_blocks if allocator.ref_count(b) == 0)
@@ -104,7 +112,7 @@ class KVCacheManager:
             self.req_to_blocks[req_id] = []
             self.num_cached_blocks[req_id] = len(new_computed_blocks)
         self.req_to_blocks[req_id].extend([*new_computed_blocks, *new_blocks])
-        self._cache_full_blocks(request, num_total_tokens)
+        self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens))
         return new_blocks
         # END SOLUTION
 

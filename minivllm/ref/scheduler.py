@@ -25,6 +25,14 @@ After the forward pass, :meth:`Scheduler.update_from_output` advances
 ``num_computed_tokens``, appends sampled tokens, applies stop rules and frees
 finished requests' blocks (their full blocks stay in the prefix cache).
 
+**Speculative decoding** adds one thing to a running decode: its draft tokens
+(``request.spec_token_ids``, proposed after the last step) are scheduled with
+its last sampled token, ``1 + d`` query tokens against the same budget (drafts
+that do not fit are dropped), and become the step's
+``scheduled_spec_decode_tokens``. Afterwards ``num_computed_tokens`` moves back
+over the drafts that were rejected: their K/V slots stay allocated and are
+simply overwritten by a later step. A preempted request loses its drafts.
+
 A request that could never fit (longer than ``max_model_len``, or needing
 more blocks than the whole pool) is rejected by :meth:`add_request`, so the
 loop above always makes progress: alone, any request fits.
@@ -112,7 +120,8 @@ class Scheduler:
                 f"request {req_id!r}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
                 f"must be <= max_model_len={self.max_model_len}"
             )
-        num_blocks_needed = cdiv(prompt_len + max_tokens, self.block_size)
+        num_blocks_needed = cdiv(prompt_len + max_tokens
+                                 + self.scheduler_config.num_lookahead_tokens, self.block_size)
         if num_blocks_needed > self.cache_config.num_blocks:
             raise ValueError(
                 f"request {req_id!r}: prompt + max_tokens = {prompt_len + max_tokens} tokens "
@@ -162,18 +171,24 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}  # what each scheduled request's table gains
         preempted_req_ids: list[str] = []
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         num_cache_queries = num_cache_hits = 0
 
         # 1. Running requests, in order.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            # A decode with drafts computes its last token plus the drafts that fit.
+            num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
+                                 token_budget)
             if num_new_tokens == 0:  # nothing to compute until a token is sampled
                 req_index += 1
                 continue
+            num_lookahead = min(self.scheduler_config.num_lookahead_tokens, self.max_model_len
+                                - request.num_computed_tokens - num_new_tokens)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=max(num_lookahead, 0))
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()  # the most recently admitted request
@@ -183,6 +198,11 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 break  # it preempted itself: no blocks left for anyone behind it
+            num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_drafts > 0:
+                scheduled_spec_decode_tokens[request.request_id] = \
+                    request.spec_token_ids[:num_drafts]
+            request.spec_token_ids = []  # scheduled (or dropped): the next step proposes anew
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = new_blocks
@@ -202,8 +222,10 @@ class Scheduler:
                 if not self.scheduler_config.enable_chunked_prefill:
                     break  # the whole prompt must fit in one step
                 num_new_tokens = token_budget
+            num_lookahead = min(self.scheduler_config.num_lookahead_tokens,
+                                self.max_model_len - num_computed_tokens - num_new_tokens)
             if self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks
+                request, num_new_tokens, computed_blocks, max(num_lookahead, 0)
             ) is None:
                 break  # the pool is full: later requests wait their turn too
             self.waiting.popleft()
@@ -229,6 +251,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             new_req_ids=[r.request_id for r in scheduled_new],
             new_block_ids=new_block_ids,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             num_prefix_cache_queries=num_cache_queries,
             num_prefix_cache_hits=num_cache_hits,
         )
@@ -247,20 +270,28 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # a resumed request recomputes; it gets no drafts
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         # END SOLUTION
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, int] | dict[str, list[int]],
     ) -> list[Request]:
         """Record a finished forward pass; return the requests that finished now.
 
         Args:
             scheduler_output: what :meth:`schedule` returned for this step.
-            sampled_token_ids: request id -> the token sampled for it. The model
-                runner samples only requests whose every token is computed
-                after this step; a token for any other request is ignored.
+            sampled_token_ids: request id -> the token sampled for it, or (with
+                speculative decoding) the list of tokens it emitted: its
+                accepted drafts and one more. The model runner samples only
+                requests whose every token is computed after this step; tokens
+                for any other request are ignored.
+
+        Tokens are appended one at a time and the stop rules checked after
+        each, so a stop inside an accepted run ends the request exactly where
+        plain decoding would, and the tokens after it are dropped.
         """
         # BEGIN SOLUTION
         finished = []
@@ -269,13 +300,21 @@ class Scheduler:
             if self.requests.get(req_id) is not request:
                 continue  # aborted since schedule()
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[req_id]
-            token_id = sampled_token_ids.get(req_id)
-            if token_id is None or request.num_computed_tokens < request.num_tokens:
+            token_ids = sampled_token_ids.get(req_id)
+            if token_ids is None or request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that is not the last one
-            request.append_output_token_ids(token_id)
-            if check_stop(request, self.max_model_len):
-                self._free_request(request)
-                finished.append(request)
+            if isinstance(token_ids, int):
+                token_ids = [token_ids]
+            # Rejected drafts were computed in vain: roll back over them (their
+            # slots stay allocated and a later step overwrites them).
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            request.num_computed_tokens -= num_drafts + 1 - len(token_ids)
+            for token_id in token_ids:
+                request.append_output_token_ids(token_id)
+                if check_stop(request, self.max_model_len):
+                    self._free_request(request)
+                    finished.append(request)
+                    break
         self._remove_from_running(finished)
         return finished
         # END SOLUTION

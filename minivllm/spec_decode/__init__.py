@@ -7,6 +7,10 @@
   draft tokens, flattened), :class:`RejectionSamplerOutput`, and the helpers
   both rejection-sampler twins call: input checks, per-position sampling
   metadata and the one place verification randomness is drawn.
+- :mod:`minivllm.spec_decode.draft_model`: the draft-model proposer, including
+  self-speculation on the target's first ``L`` layers
+  (:meth:`~minivllm.model.llama.LlamaForCausalLM.first_layers`) over the
+  target's own KV cache.
 
 The components themselves are twins behind the swap layer:
 ``backend.get("rejection_sampler")`` and ``backend.get("ngram_proposer")``

@@ -22,7 +22,15 @@ minivllm:time_to_first_token_seconds       histogram   arrival to first token
 minivllm:inter_token_latency_seconds       histogram   between consecutive tokens
 minivllm:e2e_request_latency_seconds       histogram   arrival to finish
 minivllm:iteration_tokens_total            histogram   tokens computed per engine step
+minivllm:spec_decode_num_drafts_total      counter     requests that verified drafts (per step)
+minivllm:spec_decode_num_draft_tokens_total  counter   draft tokens verified
+minivllm:spec_decode_num_accepted_tokens_total  counter  draft tokens accepted
+minivllm:spec_decode_num_accepted_tokens_per_pos_total  counter  accepted, by ``position``
 =========================================  ==========  ===============================
+
+The ``spec_decode`` counters (vLLM's names, speculative decoding only) give
+the acceptance rate ``accepted / draft_tokens`` and the mean acceptance length
+``1 + accepted / drafts``.
 """
 
 from __future__ import annotations
@@ -84,6 +92,15 @@ class PrometheusStatLogger:
                              "Time between consecutive output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Time from arrival to the last token.", _E2E_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Requests that verified draft tokens, summed over steps.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self._spec_per_pos = Counter("minivllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, per draft position.",
+                                     ["model_name", "position"], registry=r)
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens computed per engine step.", _TOKEN_BUCKETS)
 
@@ -99,6 +116,12 @@ class PrometheusStatLogger:
         self.generation_tokens.inc(it.num_generation_tokens)
         if stats.num_batched_tokens:
             self.iteration_tokens.observe(stats.num_batched_tokens)
+        if stats.num_drafts:
+            self.spec_drafts.inc(stats.num_drafts)
+            self.spec_draft_tokens.inc(stats.num_draft_tokens)
+            self.spec_accepted.inc(stats.num_accepted_tokens)
+            for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
+                self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
         for t in it.time_to_first_tokens:
             self.ttft.observe(t)
         for t in it.inter_token_latencies:
