@@ -28,8 +28,12 @@ On a CPU the work goes to the C++ op ``torch.ops.minivllm.paged_attention``
 (sequence, tile of query rows) a work item over threads that reads the cache
 as whole token rows (every KV head per tile of keys, the next tile
 prefetched), the GQA group's query heads sharing every K/V row it reads, and
-an online softmax over tiles of keys. Prefill sequences stay on this op: a
-per-sequence gather + SDPA was measured no faster at SmolLM2's shapes. :func:`paged_attention` picks the realisation from the
+an online softmax over tiles of keys. Sequences with 8 or more query rows
+(prefill chunks) run in GEMM shape instead (``csrc/attention_tile.h``): packed
+64-key K/V tiles, ``S^T = K Q^T`` and ``O^T += V^T P^T`` by a register-blocked
+micro-kernel, the softmax down each query's column; 1.5-2.4x the row loop on
+one 512-4096-token prompt. Prefill sequences stay on this op: a per-sequence
+gather + SDPA was measured no faster at SmolLM2's shapes with short chunks. :func:`paged_attention` picks the realisation from the
 tensor's device; ``paged_attention_triton`` / ``paged_attention_cpu`` name
 them directly (``minivllm.fast.triton`` / ``minivllm.fast.cpu``).
 
