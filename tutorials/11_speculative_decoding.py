@@ -127,7 +127,8 @@ fig.savefig(figure_path("11_pass_cost.png"), dpi=120)
 # multiplication of a few rows: a 1-row product is a GEMV that streams the
 # weight once, while torch's GEMM for 2 to 16 rows first packs the weight, and
 # the LM head (49152 × 576, for every query row) then costs 2 to 4 times its
-# GEMV (measured alone, one thread: 17 ms for 1 row, 41 ms for 2, 62 ms for 3). The smaller that ratio, the more a good guess saves.
+# GEMV (measured alone, one thread: 17 ms for 1 row, 41 ms for 2, 62 ms for
+# 3). The smaller that ratio, the more a good guess saves.
 
 # %% [markdown]
 # 2 · The acceptance rule
@@ -162,7 +163,8 @@ out = rs.rejection_sample(target_logits, spec, q.repeat(N, 1), md)
 first = out.output_token_ids[:, 0]
 emitted = torch.bincount(first, minlength=8).float() / N
 accept_rate = float(out.num_accepted_tokens.float().mean())
-print(f"acceptance rate {accept_rate:.3f} (theory: sum min(p, q) = {float(torch.minimum(p, q).sum()):.3f})")
+overlap = float(torch.minimum(p, q).sum())
+print(f"acceptance rate {accept_rate:.3f} (theory: sum min(p, q) = {overlap:.3f})")
 print("largest |emitted - p|:", f"{float((emitted - p).abs().max()):.4f}",
       f"(one standard error is about {float((p * (1 - p) / N).sqrt().max()):.4f})")
 
@@ -389,9 +391,10 @@ for k in (1, 3, 5):
 # self-speculation run (star). Look at the left panel: the solid lines sit below
 # the dashed ones by the verification pass's extra cost, so on this CPU even a
 # free proposer needs ``α`` above about 0.6 to 0.7 (at ``k = 1`` it may never
-# win), and a larger ``k`` pays only at a high ``α``; input-grounded text gives n-gram lookup such an ``α``. Look at
-# the right panel: SmolLM2 was not trained for early exits (LayerSkip trains
-# for them), so its first layers seldom agree with the full model, while a
+# win), and a larger ``k`` pays only at a high ``α``; input-grounded text
+# gives n-gram lookup such an ``α``. Look at the right panel: SmolLM2 was not
+# trained for early exits (LayerSkip trains for them), so its first layers
+# seldom agree with the full model, while a
 # draft step of ``L`` layers still costs most of a pass (the embedding, the LM
 # head and the per-step overhead do not shrink with ``L``): every
 # self-speculation point sits below 1, exact but slower. The stars come from
