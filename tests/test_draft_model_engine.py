@@ -8,7 +8,9 @@
   with chunked prefill and a KV pool small enough to preempt, and a separate
   draft model (``model=path``) with its own KV cache;
 - with every layer as the draft, greedy accepts every draft (the draft writes
-  the target's own KV cache, so a wrong write would show as a rejection);
+  the target's own KV cache, so a wrong write would show as a rejection); the
+  same for the target's weights as a *separate* draft across preemptions (its
+  own cache must be recomputed on the new blocks);
 - seeded sampling is reproducible: the same seeded requests give the same
   tokens twice, and alone as in a batch. Sampling with all layers as the draft
   (``q`` = ``p``) accepts nearly every draft.
@@ -33,8 +35,9 @@ def spec(k: int, layers: int | None = None, model: str | None = None) -> dict:
     return config
 
 
-def generate_with_stats(llm, prompts, params):
-    """Token ids per prompt and the summed verification counts of every step."""
+def generate_with_stats(llm, prompts, params, counts: dict | None = None):
+    """Token ids per prompt and the summed verification counts of every step
+    (and, into ``counts``, the preemptions)."""
     engine = llm.llm_engine
     ids = [engine.add_request(None, p, params) for p in prompts]
     finished, drafted, accepted = {}, 0, 0
@@ -42,6 +45,8 @@ def generate_with_stats(llm, prompts, params):
         outputs, stats = engine.step_with_stats()
         drafted += stats.num_draft_tokens
         accepted += stats.num_accepted_tokens
+        if counts is not None:
+            counts["preempted"] = counts.get("preempted", 0) + len(stats.preempted_req_ids)
         for out in outputs:
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
@@ -129,3 +134,19 @@ def test_sampling_with_every_layer_accepts_nearly_everything(tiny_model_dir):
     _, drafted, accepted = generate_with_stats(llm, prompts, params)
     llm.shutdown()
     assert drafted > 20 and accepted >= 0.95 * drafted
+
+
+def test_separate_draft_survives_preemption(tiny_model_dir):
+    """The target's own weights as a separate draft: every greedy draft is right, also
+    after a preemption moved a request to new blocks (its draft cache must be redone)."""
+    path = tiny_model_dir("llama", num_hidden_layers=2)
+    prompts = random_prompts(4, [6, 7, 8, 5], seed=3)
+    expected = hf_greedy(path, prompts, 12)
+    llm = make_llm(path, block_size=4, num_gpu_blocks_override=14,
+                   speculative_config=spec(3, model=str(path)))
+    counts = {}
+    got, drafted, accepted = generate_with_stats(llm, prompts, greedy(12), counts)
+    llm.shutdown()
+    assert got == expected
+    assert counts.get("preempted", 0) > 0, "the pool was meant to force a preemption"
+    assert drafted > 0 and accepted == drafted

@@ -122,12 +122,13 @@ fig.savefig(figure_path("11_pass_cost.png"), dpi=120)
 # line stays below the dotted one: every query token reads the same weights, so
 # a pass of ``k + 1`` tokens costs far less than ``k + 1`` passes (the ratios
 # are printed above). It is not free on a CPU, though. On the 2-core
-# development machine a 2-token pass cost about 1.6 times a 1-token one and
-# passes of 3 to 12 tokens 2.1 to 2.7 times. Most of that is float32 matrix
+# development machine (three runs, under load) a 2-token pass cost 1.6 to 2.2
+# times a 1-token one and passes of 3 to 12 tokens 2.1 to 3.2 times. Most of that is float32 matrix
 # multiplication of a few rows: a 1-row product is a GEMV that streams the
 # weight once, while torch's GEMM for 2 to 16 rows first packs the weight, and
-# the LM head (49152 × 576, for every query row) then costs 2 to 3 times its
-# GEMV. The smaller that ratio, the more a good guess saves.
+# the LM head (49152 × 576, for every query row) then costs 2 to 4 times its
+# GEMV (measured alone, one thread: 17 ms for 1 row, 41 ms for 2, 62 ms for
+# 3). The smaller that ratio, the more a good guess saves.
 
 # %% [markdown]
 # 2 · The acceptance rule
@@ -162,7 +163,8 @@ out = rs.rejection_sample(target_logits, spec, q.repeat(N, 1), md)
 first = out.output_token_ids[:, 0]
 emitted = torch.bincount(first, minlength=8).float() / N
 accept_rate = float(out.num_accepted_tokens.float().mean())
-print(f"acceptance rate {accept_rate:.3f} (theory: sum min(p, q) = {float(torch.minimum(p, q).sum()):.3f})")
+overlap = float(torch.minimum(p, q).sum())
+print(f"acceptance rate {accept_rate:.3f} (theory: sum min(p, q) = {overlap:.3f})")
 print("largest |emitted - p|:", f"{float((emitted - p).abs().max()):.4f}",
       f"(one standard error is about {float((p * (1 - p) / N).sqrt().max()):.4f})")
 
@@ -370,9 +372,10 @@ axes[1].set_title("self-speculation: early exits of L layers")
 fig.tight_layout()
 fig.savefig(figure_path("11_speedup.png"), dpi=120)
 for k in (1, 3, 5):
-    print(f"model, k={k}: a free proposer needs α > "
-          f"{min((a for a in alphas if speedup(a, k, 0.0) > 1), default=float('nan')):.2f}; "
-          f"at α = 0.8 it gives {speedup(0.8, k, 0.0):.2f}x; self-speculation "
+    wins = [a for a in alphas if speedup(a, k, 0.0) > 1]
+    print(f"model, k={k}: a free proposer "
+          + (f"needs α > {wins[0]:.2f}; " if wins else "never wins; ")
+          + f"at α = 0.8 it gives {speedup(0.8, k, 0.0):.2f}x; self-speculation "
           + ", ".join(f"L={L}: {speedup(alpha_self[L], k, draft_ms[L]):.2f}x"
                       for L in layer_counts))
 
@@ -387,19 +390,20 @@ for k in (1, 3, 5):
 # agreement with the full model, measured above), and the engine's measured
 # self-speculation run (star). Look at the left panel: the solid lines sit below
 # the dashed ones by the verification pass's extra cost, so on this CPU even a
-# free proposer needs ``α`` above about 0.6, and a larger ``k`` pays only at a
-# high ``α``; input-grounded text gives n-gram lookup such an ``α``. Look at
-# the right panel: SmolLM2 was not trained for early exits (LayerSkip trains
-# for them), so its first layers seldom agree with the full model, while a
+# free proposer needs ``α`` above about 0.6 to 0.7 (at ``k = 1`` it may never
+# win), and a larger ``k`` pays only at a high ``α``; input-grounded text
+# gives n-gram lookup such an ``α``. Look at the right panel: SmolLM2 was not
+# trained for early exits (LayerSkip trains for them), so its first layers
+# seldom agree with the full model, while a
 # draft step of ``L`` layers still costs most of a pass (the embedding, the LM
 # head and the per-step overhead do not shrink with ``L``): every
 # self-speculation point sits below 1, exact but slower. The stars come from
 # single runs on a shared machine and move by tens of percent between runs; on
-# the 2-core development machine under load (load average 5 to 7) n-gram gave
-# 0.94x at ``k = 1``, 1.25x and 1.49x at ``k = 3`` (two runs) and 2.2x at
-# ``k = 5``, and self-speculation (``L = 28``, ``k = 3``) 0.45x and 0.61x, a
-# little above its model because the back-off pauses drafting while
-# acceptance is low. Every run emitted exactly
+# the 2-core development machine under load (load average 5 to 14) n-gram gave
+# 0.94x at ``k = 1`` (twice), 1.25x, 1.49x and 1.57x at ``k = 3``, 2.2x and
+# 1.44x at ``k = 5``, and self-speculation (``L = 28``, ``k = 3``) 0.45x,
+# 0.61x and 0.51x, a little above its model because the back-off pauses
+# drafting while acceptance is low. Every run emitted exactly
 # the tokens of plain greedy decoding (printed above).
 
 # %% [markdown]
