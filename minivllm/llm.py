@@ -57,6 +57,12 @@ class LLM:
             channel) or ``"int4"`` (groups of 32) quantizes the linear layers at
             load; ``"gguf"`` runs a GGUF's ``Q8_0``/``Q4_0``/``Q4_1`` blocks as
             stored (see docs/quantization.md).
+        distributed_executor_backend: (keyword) who starts the ranks: None
+            (choose), ``"uni"`` (one process), ``"mp"`` (this process spawns
+            them) or ``"external_launcher"`` (``torchrun`` started them, on
+            one machine or several; chosen by itself under ``torchrun``). Under
+            a launcher, ``LLM(...)`` returns on rank 0 only; the other ranks
+            serve it and exit when it shuts down (docs/tensor_parallel.md).
         **kwargs: any other :class:`EngineConfig` field.
     """
 

@@ -9,6 +9,13 @@ an executor once per step. Two kinds, with the same methods:
 - :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`: real tensor
   parallelism, one process per rank, for linear layers that hold one rank's
   shards (the fast twin).
+- :class:`~minivllm.engine.external_launcher.ExternalLauncherExecutor`: the
+  same ranks, started by ``torchrun`` (or another launcher) instead of
+  spawned, on one machine or several; rank 0 runs the engine.
+
+Which one: :func:`~minivllm.engine.launcher.choose_executor_backend` turns
+``distributed_executor_backend`` (None, ``"uni"``, ``"mp"``,
+``"external_launcher"``) and the launcher's environment into one answer.
 
 ONE rule picks between them, :func:`~minivllm.engine.ranks.simulates_all_ranks`,
 read from the ``linear`` module the engine's components actually hold;
@@ -29,6 +36,8 @@ from __future__ import annotations
 import torch
 
 from minivllm import backend
+from minivllm.engine.external_launcher import start_external_launcher
+from minivllm.engine.launcher import choose_executor_backend
 from minivllm.engine.multiproc_executor import MultiprocExecutor
 from minivllm.engine.ranks import (  # noqa: F401  (re-exported: one place to import from)
     check_model_tp_size,
@@ -43,15 +52,23 @@ from minivllm.tp_shards import check_tp_size
 
 def make_executor(model: str, dtype: torch.dtype, device: str | torch.device, tp_size: int,
                   components: backend.Components | backend.BackendSpec | None = None,
-                  quantization: str | None = None):
+                  quantization: str | None = None,
+                  distributed_executor_backend: str | None = None):
     """The executor for ``tp_size`` ranks with ``components`` (a spec is resolved once).
 
-    One in-process worker for ``tp_size=1`` or simulating linear layers; real
-    worker processes otherwise (:func:`simulates_all_ranks` decides).
+    ``distributed_executor_backend`` None chooses (see
+    :mod:`minivllm.engine.launcher`): one in-process worker for ``tp_size=1``
+    or simulating linear layers, the launcher's ranks under ``torchrun``,
+    spawned worker processes otherwise. Under a launcher, on every rank but 0
+    this never returns: the process serves rank 0 and then exits.
     """
     check_tp_size(tp_size)
     components = backend.as_components(components)
-    if tp_size > 1 and not simulates_all_ranks(components):
+    kind = choose_executor_backend(distributed_executor_backend, tp_size,
+                                   simulates_all_ranks(components))
+    if kind == "external_launcher":
+        return start_external_launcher(model, dtype, device, tp_size, components, quantization)
+    if kind == "mp":
         return MultiprocExecutor(model, dtype, device, tp_size, components=components,
                                  quantization=quantization)
     return UniProcExecutor(model, dtype, device, tp_size, components, quantization)

@@ -30,6 +30,7 @@ from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.dtype import DTYPES as _DTYPES
 from minivllm.dtype import resolve_dtype  # noqa: F401  (re-exported: callers import it here)
 from minivllm.engine.executor import make_executor
+from minivllm.engine.launcher import check_executor_backend
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
@@ -81,6 +82,9 @@ class EngineConfig:
     ``gpu_memory_utilization`` (fraction of the GPU's memory the whole engine
     may use) sizes it on CUDA. ``num_gpu_blocks_override`` fixes the number of
     blocks directly (tests use it to force preemption).
+    ``distributed_executor_backend`` says who starts the ranks: None
+    (choose), ``"uni"``, ``"mp"`` or ``"external_launcher"`` (``torchrun``;
+    see :mod:`minivllm.engine.launcher`).
     """
 
     model: str = "smollm2"
@@ -100,6 +104,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     quantization: str | None = None
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one ``_require`` rule each)."""
@@ -122,6 +127,7 @@ class EngineConfig:
             _require(_is_int(value) and lo <= value <= hi, name, value,
                      f"an int in [{lo}, {hi}]")
         check_quantization(self.quantization)
+        check_executor_backend(self.distributed_executor_backend)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
@@ -202,7 +208,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         self.executor = make_executor(config.model, dtype, device,
                                       config.tensor_parallel_size, self.components,
-                                      config.quantization)
+                                      config.quantization, config.distributed_executor_backend)
         self.tokenizer = self.executor.tokenizer
         hf_config = self.executor.hf_config
         self.vocab_size = hf_config.vocab_size
