@@ -196,23 +196,56 @@ def test_torchrun_llm_tp2_matches_one_process_and_transformers(tiny_model_dir, t
     assert got == hf_greedy(path, prompts, 8)
 
 
+def run_groups(cmds: list[list[str]], env: dict[str, str],
+               timeout_s: float = TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """:func:`run_group` for commands that must run at the same time (the nodes of a job)."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(**env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for cmd in cmds]
+    results, deadline = [], time.monotonic() + timeout_s
+    try:
+        for cmd, proc in zip(cmds, procs):
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+        time.sleep(0.5)
+        left = [proc.pid for proc in procs if _group_alive(proc.pid)]
+    finally:
+        for proc in procs:
+            _kill_group(proc.pid)
+            proc.wait()
+    assert not left, f"process groups {left} were left behind"
+    return results
+
+
 @pytest.mark.slow
-def test_torchrun_minivllm_generate_prints_what_one_process_prints(tiny_model_dir,
-                                                                    capsys) -> None:
+def test_two_node_commands_on_loopback_print_what_one_process_prints(tiny_model_dir,
+                                                                      capsys) -> None:
+    """The two-node command lines of docs/tensor_parallel.md, both "nodes" on this machine:
+    ``torchrun --nnodes 2 --node-rank N --master-addr ... -m minivllm generate``."""
     from minivllm.cli import main
 
     path = str(tiny_model_dir("llama"))
     # auto: the fast linear layers (one process per rank) and the C++ kernels where built.
     args = ["generate", "--model", path, "--backend", "auto", "--device", "cpu",
             "--dtype", "float32", "--max-tokens", "12", "Hello", "Bonjour"]
-    result = run_group([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "minivllm",
-                        *args, "--tensor-parallel-size", "2"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    port = str(_free_port())
+    nodes = [[*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+              "--master-addr", "127.0.0.1", "--master-port", port, "-m", "minivllm", *args,
+              "--tensor-parallel-size", "2"] for node in (0, 1)]
+    node0, node1 = run_groups(nodes, env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
     assert main(args) == 0
     one = capsys.readouterr().out
     texts = lambda out: re.findall(r"### (.*?)\n(.*?)\n\n", out, re.S)  # noqa: E731
-    assert texts(result.stdout) == texts(one)
-    assert len(texts(one)) == 2  # printed once: by rank 0 alone
+    assert len(texts(one)) == 2
+    assert texts(node0.stdout) == texts(one)
+    assert texts(node1.stdout) == []  # rank 1 served rank 0 and printed nothing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 LOOP_SCRIPT = """
@@ -230,12 +263,6 @@ except RuntimeError as e:
     print("ERROR", e, flush=True)
     sys.exit(3)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
