@@ -48,7 +48,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel ranks per pipeline stage")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (consecutive layer ranges; tp x pp ranks in all)")
+    g.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage, e.g. 4,3,3 (default: "
+                   "$MINIVLLM_PP_LAYER_PARTITION, else the extra layers go to the stages "
+                   "before the last)")
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["uni", "mp", "external_launcher"],
                    help="who starts the ranks: uni (one process), mp (spawned here) or "
@@ -79,7 +86,9 @@ def _make_llm(args):
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition, enforce_eager=args.enforce_eager,
         seed=args.seed, distributed_executor_backend=args.distributed_executor_backend,
     )
 

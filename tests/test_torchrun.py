@@ -1,9 +1,11 @@
 """Ranks from a launcher: ``torchrun`` (env:// rendezvous) runs the same engine across processes.
 
-Every multi-process test starts its processes in a new session and kills that
-process group in ``finally``, so nothing outlives a test, and checks that no
-process of the group was left when the command ended. Rendezvous is on
-loopback; ``torchrun --standalone`` picks its own free ports.
+Every multi-process test tags its processes through the environment (which
+every descendant inherits; ``torchrun`` starts each rank in a session of its
+own, out of reach of a process group), checks that no tagged process is left
+once the command ended, and kills whatever is in ``finally``, so nothing
+outlives a test. Rendezvous is on loopback; ``torchrun --standalone`` picks
+its own free ports.
 
 The linear layers are always the fast (one process per rank) twin: the ref
 simulates every rank in one process, which a launcher cannot use. The kernels
@@ -23,6 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -109,8 +112,9 @@ def test_engine_config_and_cli_validate_the_backend() -> None:
     for command in ("generate", "serve"):
         extra = ["hi"] if command == "generate" else []
         args = parser.parse_args([command, *extra, "--tensor-parallel-size", "2",
+                                  "--pipeline-parallel-size", "3",
                                   "--distributed-executor-backend", "external_launcher"])
-        assert args.tensor_parallel_size == 2
+        assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 3)
         assert args.distributed_executor_backend == "external_launcher"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--distributed-executor-backend", "ray"])
@@ -121,48 +125,85 @@ def test_engine_config_and_cli_validate_the_backend() -> None:
 # --------------------------------------------------------------------------
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries ``MINIVLLM_TEST_TAG=tag``.
+
+    ``torchrun`` starts every rank in a session of its own, so a process group
+    cannot find them; the environment, which every descendant inherits, can.
+    """
+    needle = f"MINIVLLM_TEST_TAG={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):  # a zombie's environ is empty
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _left_behind(tag: str, grace_s: float = 10.0) -> list[int]:
+    """The tagged processes still alive after ``grace_s`` (exiting ones get that long)."""
+    deadline = time.monotonic() + grace_s
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _tagged(tag)
 
 
-def _env(**extra: str) -> dict[str, str]:
-    # The worktree's minivllm, unbuffered output, no GPU (these ranks are CPU ranks).
+def _kill_tagged(tag: str) -> None:
+    for pid in _tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _env(tag: str, **extra: str) -> dict[str, str]:
+    # The worktree's minivllm, unbuffered output, no GPU (these ranks are CPU ranks),
+    # and a tag that finds every descendant.
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-            "CUDA_VISIBLE_DEVICES": "", **extra}
+            "CUDA_VISIBLE_DEVICES": "", "MINIVLLM_TEST_TAG": tag, **extra}
+
+
+def run_groups(cmds: list[list[str]], env: dict[str, str] | None = None,
+               timeout_s: float = TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """Run ``cmds`` at the same time (the nodes of a job); afterwards none of their
+    processes, ranks included, may be left; whatever is left is killed."""
+    tag = uuid.uuid4().hex
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(tag, **(env or {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+             for cmd in cmds]
+    results, deadline = [], time.monotonic() + timeout_s
+    try:
+        for cmd, proc in zip(cmds, procs):
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+        left = _left_behind(tag)
+    finally:
+        _kill_tagged(tag)
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert not left, f"processes {left} were left behind:\n{results[-1].stderr[-3000:]}"
+    return results
 
 
 def run_group(cmd: list[str], timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; afterwards nothing of the group may be left."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        time.sleep(0.5)  # a straggler would still be there; an exited one is reaped
-        left = _group_alive(proc.pid)
-    finally:
-        _kill_group(proc.pid)
-        proc.wait()
-    assert not left, f"processes of {cmd[:6]} were left behind:\n{err[-3000:]}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """:func:`run_groups` of one command."""
+    return run_groups([cmd], timeout_s=timeout_s)[0]
 
 
 LLM_SCRIPT = """
 import json, sys
 from minivllm import LLM, SamplingParams
-model, spec, prompts, tp = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model, backend=spec, tensor_parallel_size=tp, dtype="float32", device="cpu",
-          max_model_len=128, block_size=4, max_num_batched_tokens=16)
+model, spec, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+tp, pp = int(sys.argv[4]), int(sys.argv[5])
+llm = LLM(model, backend=spec, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+          dtype="float32", device="cpu", max_model_len=128, block_size=4,
+          max_num_batched_tokens=16)
 # Only rank 0 gets here: the other ranks serve it inside LLM(...) and exit with it.
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -172,15 +213,19 @@ llm.shutdown()
 
 
 @pytest.mark.slow
-def test_torchrun_llm_tp2_matches_one_process_and_transformers(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_torchrun_llm_matches_one_process_and_transformers(tiny_model_dir, tmp_path,
+                                                           tp: int, pp: int) -> None:
     from test_engine import greedy, hf_greedy, make_llm, random_prompts
 
-    path = tiny_model_dir("llama")  # GQA: 4 query heads, 2 KV heads
+    # GQA: 4 query heads, 2 KV heads; 3 layers, which 2 stages split unevenly (2 + 1)
+    path = tiny_model_dir("llama", num_hidden_layers=3)
     prompts = random_prompts(3, [5, 18, 1], seed=7)  # 18 tokens: a chunked prefill
     script = tmp_path / "run_llm.py"
     script.write_text(LLM_SCRIPT)
-    result = run_group([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script),
-                        str(path), json.dumps(spec()), json.dumps(prompts), "2"])
+    result = run_group([*TORCHRUN, "--standalone", "--nproc-per-node", str(tp * pp),
+                        str(script), str(path), json.dumps(spec()), json.dumps(prompts),
+                        str(tp), str(pp)])
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("TOKENS")]
     assert len(lines) == 1, result.stdout  # rank 1 never returned from LLM(...)
@@ -196,32 +241,12 @@ def test_torchrun_llm_tp2_matches_one_process_and_transformers(tiny_model_dir, t
     assert got == hf_greedy(path, prompts, 8)
 
 
-def run_groups(cmds: list[list[str]], env: dict[str, str],
-               timeout_s: float = TIMEOUT_S) -> list[subprocess.CompletedProcess]:
-    """:func:`run_group` for commands that must run at the same time (the nodes of a job)."""
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(**env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for cmd in cmds]
-    results, deadline = [], time.monotonic() + timeout_s
-    try:
-        for cmd, proc in zip(cmds, procs):
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
-        time.sleep(0.5)
-        left = [proc.pid for proc in procs if _group_alive(proc.pid)]
-    finally:
-        for proc in procs:
-            _kill_group(proc.pid)
-            proc.wait()
-    assert not left, f"process groups {left} were left behind"
-    return results
-
-
 @pytest.mark.slow
 def test_two_node_commands_on_loopback_print_what_one_process_prints(tiny_model_dir,
                                                                       capsys) -> None:
     """The two-node command lines of docs/tensor_parallel.md, both "nodes" on this machine:
-    ``torchrun --nnodes 2 --node-rank N --master-addr ... -m minivllm generate``."""
+    ``torchrun --nnodes 2 --node-rank N --master-addr ... -m minivllm generate``, one
+    pipeline stage per "node" (the layout for machines on a slow link)."""
     from minivllm.cli import main
 
     path = str(tiny_model_dir("llama"))
@@ -231,7 +256,7 @@ def test_two_node_commands_on_loopback_print_what_one_process_prints(tiny_model_
     port = str(_free_port())
     nodes = [[*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
               "--master-addr", "127.0.0.1", "--master-port", port, "-m", "minivllm", *args,
-              "--tensor-parallel-size", "2"] for node in (0, 1)]
+              "--pipeline-parallel-size", "2"] for node in (0, 1)]
     node0, node1 = run_groups(nodes, env={"GLOO_SOCKET_IFNAME": "lo"})
     assert node0.returncode == 0 and node1.returncode == 0, node0.stderr[-2000:] + node1.stderr[-2000:]
     assert main(args) == 0
@@ -273,11 +298,11 @@ def test_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir, tmp_path, victim: in
     Rank 1 killed: rank 0's generate raises. Rank 0 killed: rank 1 exits by itself."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP_SCRIPT)
-    port = str(_free_port())
+    port, tag = str(_free_port()), uuid.uuid4().hex
     procs = []
     try:
         for rank in (0, 1):
-            env = _env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+            env = _env(tag, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                        MINIVLLM_TP_TIMEOUT_S="30")
             procs.append(subprocess.Popen(
@@ -292,10 +317,13 @@ def test_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir, tmp_path, victim: in
         survivor = procs[1 - victim]
         out, err = survivor.communicate(timeout=90)
         elapsed = time.monotonic() - start
+        left = _left_behind(tag)
     finally:
+        _kill_tagged(tag)
         for p in procs:
-            _kill_group(p.pid)
+            p.kill()
             p.wait()
+    assert not left, f"processes {left} were left behind"
     assert elapsed < 60, f"the surviving rank took {elapsed:.1f} s to notice"
     if victim == 1:
         assert survivor.returncode == 3, err[-3000:]
@@ -303,14 +331,14 @@ def test_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir, tmp_path, victim: in
     else:
         assert survivor.returncode == 1, err[-3000:]
         assert "minivllm: rank 1 lost the group" in err
-    assert not any(_group_alive(p.pid) for p in procs)
 
 
 @pytest.mark.slow
-def test_torchrun_minivllm_serve_tp2(tiny_model_dir) -> None:
-    """``torchrun ... -m minivllm serve --tensor-parallel-size 2``: rank 0 serves HTTP and
-    answers as one process does; Ctrl-C (SIGINT to the whole group, as a terminal sends
-    it) stops every rank, frees the port, and leaves nothing behind."""
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_torchrun_minivllm_serve(tiny_model_dir, flag: str) -> None:
+    """``torchrun ... -m minivllm serve --tensor-parallel-size 2`` (or pipeline): rank 0 serves HTTP and
+    answers as one process does; Ctrl-C (SIGINT to torchrun, which passes it on to its
+    ranks) stops every rank, frees the port, and leaves nothing behind."""
     pytest.importorskip("uvicorn")
     from server_utils import port_is_free
 
@@ -319,8 +347,9 @@ def test_torchrun_minivllm_serve_tp2(tiny_model_dir) -> None:
     path = str(tiny_model_dir("llama"))
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "minivllm", "serve", path,
            "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--dtype", "float32",
-           "--backend", "auto", "--max-model-len", "128", "--tensor-parallel-size", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+           "--backend", "auto", "--max-model-len", "128", flag, "2"]
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tag), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log: list[str] = []
     url: list[str] = []
@@ -343,12 +372,12 @@ def test_torchrun_minivllm_serve_tp2(tiny_model_dir) -> None:
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
             answer = json.loads(response.read())
-        os.killpg(proc.pid, signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
-        time.sleep(0.5)
-        left = _group_alive(proc.pid)
+        left = _left_behind(tag)
     finally:
-        _kill_group(proc.pid)
+        _kill_tagged(tag)
+        proc.kill()
         proc.wait()
     assert not left, "".join(log[-40:])
     assert port_is_free(int(url[0].rsplit(":", 1)[1]))

@@ -10,7 +10,8 @@ environment and splits the roles:
 - **rank 0** gets an :class:`ExternalLauncherExecutor` and goes on to run
   the engine (``LLM.generate``, ``minivllm generate``, ``minivllm serve``);
 - **every other rank** never returns from ``LLM(...)``: it joins the group,
-  loads its shards, serves rank 0's commands (the same loop as a spawned
+  loads its shards (its tensor-parallel slice of its pipeline stage's
+  layers), serves rank 0's commands (the same loop as a spawned
   worker, :func:`~minivllm.engine.multiproc_executor._serve`) and, when rank
   0 shuts the engine down, exits the process with status 0. So the code
   after ``LLM(...)`` in a script runs on rank 0 only, and no rank but 0
@@ -57,13 +58,16 @@ from minivllm import backend, distributed
 from minivllm.engine.launcher import LauncherEnv, read_launcher_env
 from minivllm.engine.multiproc_executor import (
     MultiprocExecutor,
+    PendingStep,
     _exit_if_orphaned,
     _num_cpus,
     _serve,
     _shutdown_if_alive,
 )
-from minivllm.engine.ranks import check_model_tp_size, rank_devices
+from minivllm.engine.ranks import check_model_parallel_sizes, rank_devices
+from minivllm.engine.stage_link import StageLink
 from minivllm.engine.wire import CMD_SHUTDOWN
+from minivllm.pp_stages import StageTiming, rank_coords
 
 
 def _enter_rank(env: LauncherEnv, device: str | torch.device) -> tuple[torch.device, str, int]:
@@ -80,21 +84,33 @@ def _enter_rank(env: LauncherEnv, device: str | torch.device) -> tuple[torch.dev
 def start_external_launcher(model: str, dtype: torch.dtype, device: str | torch.device,
                             tp_size: int, components: backend.Components,
                             quantization: str | None = None, timeout_s: float | None = None,
-                            environ: Mapping[str, str] | None = None) -> ExternalLauncherExecutor:
-    """Rank 0: the executor. Any other rank: run the worker, then exit (never returns)."""
+                            environ: Mapping[str, str] | None = None, pp_size: int = 1,
+                            pp_layer_partition: Any = None) -> ExternalLauncherExecutor:
+    """Rank 0: the executor. Any other rank: run the worker, then exit (never returns).
+
+    The ranks are laid out as with spawned workers, tensor-parallel inner:
+    process ``rank = pp_rank * tp_size + tp_rank``, so a job of
+    ``--nproc-per-node tp`` on ``pp`` nodes keeps each stage's all-reduces
+    inside one node and sends only the activations between nodes.
+    """
     env = read_launcher_env(environ)
-    check_model_tp_size(model, tp_size)  # every rank refuses a bad size the same way
+    # Every rank refuses a bad size (or partition) the same way, before loading anything.
+    check_model_parallel_sizes(model, tp_size, pp_size, pp_layer_partition)
     timeout = float(timeout_s or os.environ.get("MINIVLLM_TP_TIMEOUT_S", 60))
+    sizes = (tp_size, pp_size, pp_layer_partition)
     if env.rank != 0:
-        run_worker_rank(env, model, dtype, device, tp_size, components, timeout, quantization)
+        run_worker_rank(env, model, dtype, device, sizes, components, timeout, quantization)
     return ExternalLauncherExecutor(env, model, dtype, device, tp_size, timeout, components,
-                                    quantization)
+                                    quantization, pp_size, pp_layer_partition)
 
 
 def run_worker_rank(env: LauncherEnv, model: str, dtype: torch.dtype,
-                    device: str | torch.device, tp_size: int, components: backend.Components,
-                    timeout_s: float, quantization: str | None = None) -> NoReturn:
+                    device: str | torch.device, sizes: tuple[int, int, Any],
+                    components: backend.Components, timeout_s: float,
+                    quantization: str | None = None) -> NoReturn:
     """Rank ``env.rank`` (not 0): join, load this rank's shards, serve rank 0, then exit.
+
+    ``sizes`` is ``(tp_size, pp_size, pp_layer_partition)``.
 
     Raises ``SystemExit``: status 0 after rank 0's shutdown command, 1 if
     starting failed or rank 0 went away.
@@ -106,17 +122,22 @@ def run_worker_rank(env: LauncherEnv, model: str, dtype: torch.dtype,
         # sends the shutdown command.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_if_orphaned, args=(os.getppid(),), daemon=True).start()
+    tp_size, pp_size, partition = sizes
     dev, dist_backend, _ = _enter_rank(env, device)
     try:
-        distributed.init_distributed(env.rank, env.world_size, "env://", dist_backend, timeout_s)
-        worker = Worker(model, dtype, dev, tp_size, components, quantization)
+        distributed.init_distributed(env.rank, env.world_size, "env://", dist_backend, timeout_s,
+                                     tp_size=tp_size)
+        pp_rank, _ = rank_coords(env.rank, tp_size)
+        worker = Worker(model, dtype, dev, tp_size, components, quantization, pp_rank=pp_rank,
+                        pp_size=pp_size, pp_layer_partition=partition)
+        link = StageLink(env.rank, tp_size, pp_size, worker.hf_config.hidden_size, dtype, dev)
     except Exception:
         print(f"minivllm: rank {env.rank} failed to start:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         distributed.destroy_distributed()
         raise SystemExit(1) from None
     try:
-        _serve(worker)
+        _serve(worker, link)
     except Exception as e:  # a broken collective: rank 0 (or another rank) went away
         print(f"minivllm: rank {env.rank} lost the group (rank 0 or another rank died "
               f"or left without shutting the engine down): {e}", file=sys.stderr, flush=True)
@@ -138,7 +159,8 @@ class ExternalLauncherExecutor(MultiprocExecutor):
     def __init__(self, env: LauncherEnv, model: str, dtype: torch.dtype,
                  device: str | torch.device, tp_size: int, timeout_s: float,
                  components: backend.Components | backend.BackendSpec | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, pp_size: int = 1,
+                 pp_layer_partition: Any = None) -> None:
         # Not MultiprocExecutor.__init__: there is nothing to spawn or to wait for.
         from minivllm.engine.worker import Worker
 
@@ -146,19 +168,28 @@ class ExternalLauncherExecutor(MultiprocExecutor):
             raise ValueError(f"ExternalLauncherExecutor runs on rank 0, got rank {env.rank}")
         components = backend.as_components(components)
         self.env = env
-        self.tp_size = tp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
+        self.max_concurrent_batches = pp_size  # as MultiprocExecutor: one per stage
         self.timeout_s = timeout_s
         self.procs: list[Any] = []  # none of ours: the launcher owns the processes
         self._closed = False
         self._failure: str | None = None
         self._old_threads = torch.get_num_threads()
+        self._pending: list[PendingStep] = []
+        self._num_batches = 0
+        self._timeline: list[StageTiming] = []
         self._atexit = functools.partial(_shutdown_if_alive, weakref.ref(self))
         atexit.register(self._atexit)
         try:
             dev, dist_backend, _ = _enter_rank(env, device)
             self.devices = [dev]
-            distributed.init_distributed(0, env.world_size, "env://", dist_backend, timeout_s)
-            self.worker = Worker(model, dtype, dev, tp_size, components, quantization)
+            distributed.init_distributed(0, env.world_size, "env://", dist_backend, timeout_s,
+                                         tp_size=tp_size)
+            self.worker = Worker(model, dtype, dev, tp_size, components, quantization,
+                                 pp_rank=0, pp_size=pp_size,
+                                 pp_layer_partition=pp_layer_partition)
+            self.link = StageLink(0, tp_size, pp_size, self.worker.hf_config.hidden_size,
+                                  dtype, dev)
         except BaseException:
             self.shutdown()
             raise
@@ -180,12 +211,15 @@ class ExternalLauncherExecutor(MultiprocExecutor):
         """Tell the other ranks to exit (unless the group is broken) and leave it."""
         if self._closed:
             return
-        self._closed = True
         atexit.unregister(self._atexit)
-        if self._failure is None and distributed.is_initialized():
+        if self._failure is None and distributed.is_initialized() and hasattr(self, "link"):
             try:
+                while self._pending:  # the last stage's logits must be received first
+                    self._collect_oldest()
                 self._send_header(CMD_SHUTDOWN)
+                self.link.wait_sends()
             except Exception:
                 pass  # a peer that is gone already needs no telling
+        self._closed = True  # only now: collecting the last logits runs checked steps
         distributed.destroy_distributed()
         torch.set_num_threads(self._old_threads)

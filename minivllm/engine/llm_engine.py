@@ -32,8 +32,10 @@ from minivllm.dtype import resolve_dtype  # noqa: F401  (re-exported: callers im
 from minivllm.engine.executor import make_executor
 from minivllm.engine.launcher import check_executor_backend
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.pipeline import BatchQueue
 from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
+from minivllm.pp_stages import parse_partition
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
@@ -102,6 +104,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None
     distributed_executor_backend: str | None = None
@@ -128,6 +132,7 @@ class EngineConfig:
                      f"an int in [{lo}, {hi}]")
         check_quantization(self.quantization)
         check_executor_backend(self.distributed_executor_backend)
+        parse_partition(self.pp_layer_partition)  # its fit to the model: once it is known
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
@@ -153,6 +158,7 @@ _INT_RANGES = (
     ("kv_cache_memory", 1, 1 << 62),
     ("num_gpu_blocks_override", 1, 1 << 24),
     ("tensor_parallel_size", 1, 1024),
+    ("pipeline_parallel_size", 1, 1024),
 )
 
 
@@ -208,7 +214,12 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         self.executor = make_executor(config.model, dtype, device,
                                       config.tensor_parallel_size, self.components,
-                                      config.quantization, config.distributed_executor_backend)
+                                      config.quantization, config.pipeline_parallel_size,
+                                      config.pp_layer_partition,
+                                      config.distributed_executor_backend)
+        # Pipeline stages overlap with micro-batches in flight (engine/pipeline.py).
+        self.batch_queue = (BatchQueue(self) if
+                            getattr(self.executor, "max_concurrent_batches", 1) > 1 else None)
         self.tokenizer = self.executor.tokenizer
         hf_config = self.executor.hf_config
         self.vocab_size = hf_config.vocab_size
@@ -219,7 +230,8 @@ class LLMEngine:
                                     cdiv(max_model_len, config.block_size))
         worker = getattr(self.executor, "worker", None)
         if device.type == "cuda" and not config.enforce_eager and \
-                config.tensor_parallel_size == 1 and worker is not None:
+                config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1 \
+                and worker is not None:
             worker.capture_cuda_graphs(config.max_num_seqs, max_model_len, config.block_size)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -357,7 +369,8 @@ class LLMEngine:
         self.runner.remove_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        busy = self.batch_queue is not None and self.batch_queue.busy
+        return busy or self.scheduler.has_unfinished_requests()
 
     # -- the step ---------------------------------------------------------------
 
@@ -366,36 +379,48 @@ class LLMEngine:
         return self.step_with_stats()[0]
 
     def step_with_stats(self) -> tuple[list[RequestOutput], StepStats]:
-        """:meth:`step`, plus a :class:`~minivllm.outputs.StepStats` record of what it did."""
+        """:meth:`step`, plus a :class:`~minivllm.outputs.StepStats` record of what it did.
+
+        With pipeline parallelism a step either sends a new micro-batch or
+        finishes the oldest one (:mod:`minivllm.engine.pipeline`).
+        """
+        if self.batch_queue is not None:
+            return self.batch_queue.step_with_stats()
         with record_function("schedule"):
             scheduler_output = self.scheduler.schedule()
-        # Which chunks are decodes is known only before the step advances the requests.
-        decode_ids = frozenset(
-            r.request_id for r in scheduler_output.scheduled_requests
-            if scheduler_output.num_scheduled_tokens[r.request_id] == 1
-            and r.num_computed_tokens >= r.num_prompt_tokens
-        )
+        decode_ids = self.decode_ids(scheduler_output)
         outputs: list[RequestOutput] = []
-        finished_ids: list[str] = []
         # A step without tokens still carries block-table changes (aborts,
         # preemptions) that every worker's table must see before the next one.
         if not scheduler_output.is_empty or scheduler_output.removed_req_ids:
             outputs = self._run_step(scheduler_output)
-            finished_ids = [o.request_id for o in outputs if o.finished]
-        stats = StepStats(
+        return outputs, self.make_step_stats(scheduler_output, decode_ids, outputs)
+
+    @staticmethod
+    def decode_ids(so) -> frozenset[str]:
+        """The scheduled one-token decodes: known only before the step advances the requests."""
+        return frozenset() if so is None else frozenset(
+            r.request_id for r in so.scheduled_requests
+            if so.num_scheduled_tokens[r.request_id] == 1
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        )
+
+    def make_step_stats(self, so, decode_ids: frozenset[str],
+                        outputs: list[RequestOutput]) -> StepStats:
+        """The step's record: what ``so`` (a SchedulerOutput; None: nothing scheduled) ran."""
+        return StepStats(
             step=next(self._step_index),
-            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            num_scheduled_tokens={} if so is None else dict(so.num_scheduled_tokens),
             decode_req_ids=decode_ids,
-            preempted_req_ids=tuple(scheduler_output.preempted_req_ids),
-            finished_req_ids=tuple(finished_ids),
+            preempted_req_ids=() if so is None else tuple(so.preempted_req_ids),
+            finished_req_ids=tuple(o.request_id for o in outputs if o.finished),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_blocks=self.cache_config.num_blocks,
             num_free_blocks=self.scheduler.num_free_blocks,
-            num_prefix_cache_queries=scheduler_output.num_prefix_cache_queries,
-            num_prefix_cache_hits=scheduler_output.num_prefix_cache_hits,
+            num_prefix_cache_queries=0 if so is None else so.num_prefix_cache_queries,
+            num_prefix_cache_hits=0 if so is None else so.num_prefix_cache_hits,
         )
-        return outputs, stats
 
     def _run_step(self, scheduler_output) -> list[RequestOutput]:
         """Prepare inputs, run the model, sample and detokenize one scheduled batch.
@@ -407,12 +432,23 @@ class LLMEngine:
         the step goes on for the others. Only the forward pass (the executor,
         every rank together) is fatal: it raises out of the step.
         """
+        outputs, step_input, sampling_reqs = self.prepare_step(scheduler_output)
+        with record_function("forward"):
+            logits = self.executor.execute_model(step_input)
+        return outputs + self.finish_step(scheduler_output, sampling_reqs, logits)
+
+    def prepare_step(self, scheduler_output):
+        """``(outputs of requests that failed, step input, requests to sample)``."""
         with record_function("prepare_inputs"):
             step_input, sampling_reqs, failed = self.runner.prepare_inputs(scheduler_output)
         by_id = {r.request_id: r for r in scheduler_output.scheduled_requests}
         outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
-        with record_function("forward"):
-            logits = self.executor.execute_model(step_input)
+        return outputs, step_input, sampling_reqs
+
+    def finish_step(self, scheduler_output, sampling_reqs: list[Request],
+                    logits: torch.Tensor | None) -> list[RequestOutput]:
+        """Sample ``logits``, update the scheduler and detokenize: the outputs."""
+        outputs: list[RequestOutput] = []
         if logits is None:
             return outputs  # only block-table changes (or nothing left) this step
         with record_function("sample"):
