@@ -206,6 +206,10 @@ _TASKS = (
           "tests/test_quantization.py::test_int8_round_trip_error_is_at_most_half_a_step",
           "tests/test_quantization.py::test_int8_per_group_and_gemv"),
          5, ("docs/quantization.md", "tutorials/09_bytes_per_weight.py")),
+    Task("pipeline_parallel", "Pipeline parallelism: the layer split and one stage's forward",
+         "pipeline", "pipeline", ("get_pp_indices", "stage_forward"),
+         ("tests/course/test_task_pipeline_parallel.py",),
+         6, ("minivllm/ref/pipeline.py", "tutorials/10_pipeline_parallel.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.
