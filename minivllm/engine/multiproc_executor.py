@@ -515,7 +515,7 @@ class MultiprocExecutor:
                 pass  # they are stopped below either way
         self._closed = True
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=15)  # a loaded machine may take seconds to tear a rank down
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=2)
