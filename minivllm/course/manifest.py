@@ -209,7 +209,8 @@ _TASKS = (
     Task("pipeline_parallel", "Pipeline parallelism: the layer split and one stage's forward",
          "pipeline", "pipeline", ("get_pp_indices", "stage_forward"),
          ("tests/course/test_task_pipeline_parallel.py",),
-         6, ("minivllm/ref/pipeline.py", "tutorials/10_pipeline_parallel.py")),
+         6, ("docs/pipeline_parallel.md", "minivllm/ref/pipeline.py",
+             "tutorials/10_pipeline_parallel.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.
