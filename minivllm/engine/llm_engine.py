@@ -30,9 +30,12 @@ from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.dtype import DTYPES as _DTYPES
 from minivllm.dtype import resolve_dtype  # noqa: F401  (re-exported: callers import it here)
 from minivllm.engine.executor import make_executor
+from minivllm.engine.launcher import check_executor_backend
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.pipeline import BatchQueue
 from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
+from minivllm.pp_stages import parse_partition
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
@@ -83,9 +86,13 @@ class EngineConfig:
     ``kv_cache_memory`` (bytes) sizes the KV pool on a CPU;
     ``gpu_memory_utilization`` (fraction of the GPU's memory the whole engine
     may use) sizes it on CUDA. ``num_gpu_blocks_override`` fixes the number of
-    blocks directly (tests use it to force preemption). ``speculative_config``
-    (vLLM's dict, or a :class:`~minivllm.spec_decode.config.SpeculativeConfig`)
-    turns on speculative decoding (docs/speculative_decoding.md).
+    blocks directly (tests use it to force preemption).
+    ``distributed_executor_backend`` says who starts the ranks: None
+    (choose), ``"uni"``, ``"mp"`` or ``"external_launcher"`` (``torchrun``;
+    see :mod:`minivllm.engine.launcher`).
+    ``speculative_config`` (vLLM's dict, or a
+    :class:`~minivllm.spec_decode.config.SpeculativeConfig`) turns on
+    speculative decoding (docs/speculative_decoding.md).
     """
 
     model: str = "smollm2"
@@ -103,9 +110,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
     enforce_eager: bool = False
     quantization: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one ``_require`` rule each)."""
@@ -130,6 +140,12 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        check_executor_backend(self.distributed_executor_backend)
+        parse_partition(self.pp_layer_partition)  # its fit to the model: once it is known
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config needs pipeline_parallel_size=1 (the pipeline's batch "
+                f"queue does not verify drafts), got {self.pipeline_parallel_size}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
@@ -155,6 +171,7 @@ _INT_RANGES = (
     ("kv_cache_memory", 1, 1 << 62),
     ("num_gpu_blocks_override", 1, 1 << 24),
     ("tensor_parallel_size", 1, 1024),
+    ("pipeline_parallel_size", 1, 1024),
 )
 
 
@@ -210,7 +227,12 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         self.executor = make_executor(config.model, dtype, device,
                                       config.tensor_parallel_size, self.components,
-                                      config.quantization)
+                                      config.quantization, config.pipeline_parallel_size,
+                                      config.pp_layer_partition,
+                                      config.distributed_executor_backend)
+        # Pipeline stages overlap with micro-batches in flight (engine/pipeline.py).
+        self.batch_queue = (BatchQueue(self) if
+                            getattr(self.executor, "max_concurrent_batches", 1) > 1 else None)
         self.tokenizer = self.executor.tokenizer
         hf_config = self.executor.hf_config
         self.vocab_size = hf_config.vocab_size
@@ -221,7 +243,8 @@ class LLMEngine:
                                     cdiv(max_model_len, config.block_size))
         worker = getattr(self.executor, "worker", None)
         if device.type == "cuda" and not config.enforce_eager and \
-                config.tensor_parallel_size == 1 and worker is not None:
+                config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1 \
+                and worker is not None:
             worker.capture_cuda_graphs(config.max_num_seqs, max_model_len, config.block_size)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -365,7 +388,8 @@ class LLMEngine:
             self.spec.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        busy = self.batch_queue is not None and self.batch_queue.busy
+        return busy or self.scheduler.has_unfinished_requests()
 
     # -- the step ---------------------------------------------------------------
 
@@ -374,44 +398,63 @@ class LLMEngine:
         return self.step_with_stats()[0]
 
     def step_with_stats(self) -> tuple[list[RequestOutput], StepStats]:
-        """:meth:`step`, plus a :class:`~minivllm.outputs.StepStats` record of what it did."""
+        """:meth:`step`, plus a :class:`~minivllm.outputs.StepStats` record of what it did.
+
+        With pipeline parallelism a step either sends a new micro-batch or
+        finishes the oldest one (:mod:`minivllm.engine.pipeline`).
+        """
+        if self.batch_queue is not None:
+            return self.batch_queue.step_with_stats()
         with record_function("schedule"):
             scheduler_output = self.scheduler.schedule()
-        # Which chunks are decodes is known only before the step advances the requests.
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        decode_ids = frozenset(
-            r.request_id for r in scheduler_output.scheduled_requests
-            if scheduler_output.num_scheduled_tokens[r.request_id]
-            == 1 + len(spec_tokens.get(r.request_id, ()))
-            and r.num_computed_tokens >= r.num_prompt_tokens
-        )
-        outputs: list[RequestOutput] = []
-        finished_ids: list[str] = []
-        spec_stats = SpecStats()
+        decode_ids = self.decode_ids(scheduler_output)
         step = next(self._step_index)
+        outputs: list[RequestOutput] = []
+        spec_stats = SpecStats()
         # A step without tokens still carries block-table changes (aborts,
         # preemptions) that every worker's table must see before the next one.
         if not scheduler_output.is_empty or scheduler_output.removed_req_ids:
             outputs, spec_stats = self._run_step(scheduler_output, step)
-            finished_ids = [o.request_id for o in outputs if o.finished]
-        stats = StepStats(
-            step=step,
-            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+        stats = self.make_step_stats(scheduler_output, decode_ids, outputs, step, spec_stats)
+        return outputs, stats
+
+    @staticmethod
+    def decode_ids(so) -> frozenset[str]:
+        """The scheduled decodes (one token, plus its drafts): known only before the step
+        advances the requests."""
+        if so is None:
+            return frozenset()
+        spec_tokens = so.scheduled_spec_decode_tokens
+        return frozenset(
+            r.request_id for r in so.scheduled_requests
+            if so.num_scheduled_tokens[r.request_id] == 1 + len(spec_tokens.get(r.request_id, ()))
+            and r.num_computed_tokens >= r.num_prompt_tokens
+        )
+
+    def make_step_stats(self, so, decode_ids: frozenset[str], outputs: list[RequestOutput],
+                        step: int | None = None, spec: SpecStats | None = None) -> StepStats:
+        """The step's record: what ``so`` (a SchedulerOutput; None: nothing scheduled) ran.
+
+        ``step``: its index (None: the next one); ``spec``: its drafts' counts.
+        """
+        spec = SpecStats() if spec is None else spec
+        return StepStats(
+            step=next(self._step_index) if step is None else step,
+            num_scheduled_tokens={} if so is None else dict(so.num_scheduled_tokens),
             decode_req_ids=decode_ids,
-            preempted_req_ids=tuple(scheduler_output.preempted_req_ids),
-            finished_req_ids=tuple(finished_ids),
+            preempted_req_ids=() if so is None else tuple(so.preempted_req_ids),
+            finished_req_ids=tuple(o.request_id for o in outputs if o.finished),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_blocks=self.cache_config.num_blocks,
             num_free_blocks=self.scheduler.num_free_blocks,
-            num_prefix_cache_queries=scheduler_output.num_prefix_cache_queries,
-            num_prefix_cache_hits=scheduler_output.num_prefix_cache_hits,
-            num_drafts=spec_stats.num_drafts,
-            num_draft_tokens=spec_stats.num_draft_tokens,
-            num_accepted_tokens=spec_stats.num_accepted_tokens,
-            num_accepted_tokens_per_pos=spec_stats.num_accepted_tokens_per_pos,
+            num_prefix_cache_queries=0 if so is None else so.num_prefix_cache_queries,
+            num_prefix_cache_hits=0 if so is None else so.num_prefix_cache_hits,
+            num_drafts=spec.num_drafts,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
         )
-        return outputs, stats
 
     def _run_step(self, scheduler_output, step: int) -> tuple[list[RequestOutput], SpecStats]:
         """Prepare inputs, run the model, sample and detokenize one scheduled batch.
@@ -427,12 +470,33 @@ class LLMEngine:
         the step goes on for the others. Only the forward pass (the executor,
         every rank together) is fatal: it raises out of the step.
         """
+        outputs, step_input, sampling_reqs = self.prepare_step(scheduler_output)
+        with record_function("forward"):
+            logits = self.executor.execute_model(step_input)
+        more, spec_stats = self._finish(scheduler_output, sampling_reqs, logits, step)
+        return outputs + more, spec_stats
+
+    def prepare_step(self, scheduler_output):
+        """``(outputs of requests that failed, step input, requests to sample)``."""
         with record_function("prepare_inputs"):
             step_input, sampling_reqs, failed = self.runner.prepare_inputs(scheduler_output)
         by_id = {r.request_id: r for r in scheduler_output.scheduled_requests}
         outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
-        with record_function("forward"):
-            logits = self.executor.execute_model(step_input)
+        return outputs, step_input, sampling_reqs
+
+    def finish_step(self, scheduler_output, sampling_reqs: list[Request],
+                    logits: torch.Tensor | None) -> list[RequestOutput]:
+        """Sample ``logits``, update the scheduler and detokenize: the outputs.
+
+        The pipeline's batch queue calls this (speculative decoding and
+        pipeline parallelism do not combine; the config refuses it).
+        """
+        return self._finish(scheduler_output, sampling_reqs, logits, step=None)[0]
+
+    def _finish(self, scheduler_output, sampling_reqs: list[Request],
+                logits: torch.Tensor | None, step: int | None
+                ) -> tuple[list[RequestOutput], SpecStats]:
+        outputs: list[RequestOutput] = []
         spec_stats = SpecStats()
         if logits is None:
             return outputs, spec_stats  # only block-table changes (or nothing left) this step

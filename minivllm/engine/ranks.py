@@ -63,8 +63,27 @@ def check_model_tp_size(model: str, tp_size: int) -> None:
         check_tp_size(tp_size, hf_config)
 
 
+def check_model_parallel_sizes(model: str, tp_size: int, pp_size: int = 1,
+                               pp_layer_partition: Any = None) -> None:
+    """THE size check: refuse a ``tp_size`` / ``pp_size`` (or a layer partition) that
+    does not split ``model``, with the sizes that work, before loading anything."""
+    from minivllm.pp_stages import check_pp_size, stage_layer_ranges
+
+    check_tp_size(tp_size)
+    check_pp_size(pp_size)
+    if tp_size == 1 and pp_size == 1 and pp_layer_partition is None:
+        return  # every model runs on one rank
+    hf_config = peek_hf_config(model)
+    if hf_config is None:  # a .gguf file: its layers check tp_size while loading
+        return
+    if tp_size > 1:
+        check_tp_size(tp_size, hf_config)
+    stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition)
+
+
 def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
-    """One device per rank: all ``cpu``, or ``cuda:first .. cuda:first + tp - 1``."""
+    """One device per rank (``tp_size`` = all ranks, tp x pp): all ``cpu``, or
+    ``cuda:first .. cuda:first + tp - 1``."""
     device = torch.device(device)
     if device.type == "cpu":
         return [device] * tp_size
@@ -73,7 +92,8 @@ def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]
     first, found = device.index or 0, torch.cuda.device_count()
     if first + tp_size > found:
         raise ValueError(
-            f"tensor_parallel_size={tp_size} needs GPUs cuda:{first}..cuda:{first + tp_size - 1}, "
+            f"{tp_size} ranks (tensor_parallel_size x pipeline_parallel_size) need GPUs "
+            f"cuda:{first}..cuda:{first + tp_size - 1}, "
             f"but {found} are visible"
         )
     return [torch.device("cuda", first + r) for r in range(tp_size)]

@@ -29,6 +29,7 @@ from minivllm.metadata import StepInput
 
 HEADER_LEN = 8
 CMD_EXECUTE, CMD_INIT_KV_CACHE, CMD_BYTES_PER_BLOCK, CMD_SHUTDOWN = 1, 2, 3, 4
+CMD_MEMORY, CMD_TIMELINE = 5, 6  # report bytes held / per-micro-batch stage timings
 
 
 def make_header(*values: int) -> torch.Tensor:

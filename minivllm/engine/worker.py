@@ -23,6 +23,7 @@ import torch
 
 from minivllm import backend
 from minivllm.metadata import AttentionMetadata, ModelInput, StepInput
+from minivllm.pp_stages import IntermediateTensors
 
 logger = logging.getLogger("minivllm")
 
@@ -40,12 +41,16 @@ class Worker:
             for the global one, is resolved once here).
         quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"`` (see
             :mod:`minivllm.model.quantization`).
+        pp_rank, pp_size: this worker is pipeline stage ``pp_rank`` of
+            ``pp_size``: it holds (weights and KV cache) only that stage's layers.
+        pp_layer_partition: layers per stage (``"4,3,3"``), or None for the rule.
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
                  tp_size: int = 1,
                  components: backend.Components | backend.BackendSpec | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, pp_rank: int = 0, pp_size: int = 1,
+                 pp_layer_partition: str | tuple[int, ...] | None = None) -> None:
         from minivllm.model.loader import load_model
 
         self.components = backend.as_components(components)
@@ -54,9 +59,14 @@ class Worker:
         self.model, self.hf_config, self.tokenizer = load_model(
             model, dtype=dtype, device=self.device, tp_size=tp_size,
             components=self.components, quantization=quantization,
+            pp_rank=pp_rank, pp_size=pp_size, pp_layer_partition=pp_layer_partition,
         )
-        attn = self.model.model.layers[0].self_attn
-        self.num_layers = len(self.model.model.layers)
+        inner = self.model.model
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.layer_range = (inner.start_layer, inner.end_layer)
+        self.is_first_rank, self.is_last_rank = inner.is_first_rank, inner.is_last_rank
+        attn = inner.layers[inner.start_layer].self_attn
+        self.num_layers = inner.end_layer - inner.start_layer  # this stage's layers
         self.num_kv_heads = attn.num_kv_heads  # this rank's KV heads
         self.head_dim = attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -68,6 +78,20 @@ class Worker:
         """KV-cache bytes one block costs on this rank, over all layers, K and V."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds: ``{"weights": ..., "kv_cache": ...}`` (its own layers only)."""
+        def nbytes(tensors) -> int:
+            seen, total = set(), 0
+            for t in tensors:
+                if t.data_ptr() not in seen:  # a tied LM head is the embedding matrix
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+            return total
+
+        state = list(self.model.parameters()) + list(self.model.buffers())
+        return {"weights": nbytes(state),
+                "kv_cache": nbytes(t for kv in self.kv_caches for t in kv)}
 
     def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
                       max_num_blocks_per_req: int | None = None) -> None:
@@ -173,8 +197,21 @@ class Worker:
         return self.run_model(model_input)
 
     @torch.inference_mode()
-    def run_model(self, model_input: ModelInput) -> torch.Tensor | None:
-        """The forward pass alone, on a complete :class:`~minivllm.metadata.ModelInput`."""
+    def run_model(self, model_input: ModelInput,
+                  intermediate_tensors: IntermediateTensors | None = None,
+                  ) -> torch.Tensor | IntermediateTensors | None:
+        """The forward pass alone, on a complete :class:`~minivllm.metadata.ModelInput`.
+
+        On a pipeline stage before the last it takes the previous stage's
+        ``intermediate_tensors`` (None on the first) and returns its own; the
+        last stage returns the logits.
+        """
+        if not (self.is_first_rank and self.is_last_rank):
+            out = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
+                             model_input.attn_metadata, intermediate_tensors)
+            if not self.is_last_rank:
+                return out  # IntermediateTensors for the next stage
+            return self.model.compute_logits(out[model_input.logits_indices])
         if self.graph_runner is not None and self.graph_runner.can_run(model_input):
             hidden = self.graph_runner.run(model_input)
         elif self.cpu_fast_path is not None and not torch._C._autograd._profiler_enabled():

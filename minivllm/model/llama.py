@@ -234,42 +234,68 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class PPMissingLayer(nn.Module):
+    """A placeholder for a module another pipeline stage holds (vLLM's ``PPMissingLayer``).
+
+    It has no parameters, so this stage neither allocates nor loads the
+    module's weights, and the model's ``layers`` list keeps its full length:
+    ``model.layers.7`` is layer 7 on every stage. Calling it is a bug.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("PPMissingLayer: this module lives on another pipeline stage")
+
+
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers, and the final norm (no LM head)."""
+    """Embedding, the decoder layers, and the final norm (no LM head).
+
+    With pipeline parallelism (``pp_rank`` of ``pp_size``) it holds only the
+    layers ``start_layer .. end_layer - 1`` of ``layer_range``; the embedding
+    lives on the first stage (and on the last, when the LM head is tied to
+    it), the final norm on the last. Everything else is a :class:`PPMissingLayer`.
+    """
 
     def __init__(self, config: Any, tp_size: int,
-                 components: backend.Components | None = None) -> None:
+                 components: backend.Components | None = None,
+                 layer_range: tuple[int, int] | None = None, pp_rank: int = 0,
+                 pp_size: int = 1) -> None:
         super().__init__()
         components = backend.as_components(components)
         linear = components.linear
-        self.embed_tokens = linear.VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_size=tp_size
-        )
+        num_layers = config.num_hidden_layers
+        self.start_layer, self.end_layer = layer_range or (0, num_layers)
+        self.is_first_rank, self.is_last_rank = pp_rank == 0, pp_rank == pp_size - 1
+        self.pipeline = components.pipeline
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.is_first_rank or (self.is_last_rank and tied):
+            self.embed_tokens = linear.VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, tp_size=tp_size
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
         self.rotary_emb = RotaryEmbedding(config, head_dim, components)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, tp_size, components)
-            for _ in range(config.num_hidden_layers)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, components)
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, components)
+                     if self.is_last_rank else PPMissingLayer())
 
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_caches: list[KVCache],
+        kv_caches: list[KVCache],  # one per layer this stage holds
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, hidden)
-        with op_range("op.embedding"):
-            hidden = self.embed_tokens(input_ids)  # (T, hidden)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            with op_range(f"layer.{i}"):
-                hidden, residual = layer(positions, hidden, residual, kv_caches[i], attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        intermediate_tensors: Any = None,  # the previous stage's IntermediateTensors
+    ) -> Any:  # (T, hidden) on the last stage, else IntermediateTensors
+        """This stage's part of the forward: :func:`minivllm.ref.pipeline.stage_forward`."""
+        return self.pipeline.stage_forward(self, input_ids, positions, kv_caches,
+                                           attn_metadata, intermediate_tensors)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -283,32 +309,40 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config: Any, tp_size: int = 1,
-                 components: backend.Components | None = None) -> None:
+                 components: backend.Components | None = None,
+                 layer_range: tuple[int, int] | None = None, pp_rank: int = 0,
+                 pp_size: int = 1) -> None:
         super().__init__()
         components = backend.as_components(components)
         self.config = config
         self.tp_size = tp_size
-        self.model = LlamaModel(config, tp_size, components)
+        self.model = LlamaModel(config, tp_size, components, layer_range, pp_rank, pp_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         linear = components.linear
-        self.lm_head = linear.ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight  # one shared matrix
+        if not self.model.is_last_rank:
+            self.lm_head = PPMissingLayer()  # logits are the last stage's business
+        else:
+            self.lm_head = linear.ParallelLMHead(config.vocab_size, config.hidden_size,
+                                                 tp_size=tp_size)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight  # one shared matrix
 
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64
-        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer (of this stage)
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, hidden)
-        """Run the decoder over a flat batch; write its K/V into ``kv_caches``."""
-        if len(kv_caches) != len(self.model.layers):
+        intermediate_tensors: Any = None,  # from the previous pipeline stage
+    ) -> Any:  # (T, hidden), or IntermediateTensors on a stage before the last
+        """Run the decoder (this stage's layers) over a flat batch; write its K/V into ``kv_caches``."""
+        num_layers = self.model.end_layer - self.model.start_layer
+        if len(kv_caches) != num_layers:
             raise ValueError(
                 f"kv_caches must have one (k, v) pair per layer "
-                f"({len(self.model.layers)}), got {len(kv_caches)}"
+                f"({num_layers}), got {len(kv_caches)}"
             )
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """This model cut after its first ``num_layers`` decoder layers (a view, no copy).
@@ -377,6 +411,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # recomputed buffers some old checkpoints carry
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding matrix is the LM head
+            if self.is_pp_missing(name):
+                continue  # another pipeline stage loads it
             target, shard_id = self._fused_name(name)
             param = params.get(target)
             if param is None:
@@ -396,6 +432,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {sorted(missing)}")
         return {n.split(":")[0] for n in loaded}
+
+    def is_pp_missing(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a module of another pipeline stage."""
+        inner = self.model
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            return not inner.start_layer <= layer < inner.end_layer
+        module = {"model.embed_tokens.": inner.embed_tokens, "model.norm.": inner.norm,
+                  "lm_head.": self.lm_head}
+        return any(name.startswith(p) and isinstance(m, PPMissingLayer)
+                   for p, m in module.items())
 
     def _fused_name(self, name: str) -> tuple[str, str | int | None]:
         """``(our parameter name, shard id)`` for a checkpoint name (shard None: whole)."""

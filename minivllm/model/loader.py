@@ -71,8 +71,13 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of an HF checkpoint, one at a time."""
+def iterate_safetensors(model_dir: str | Path,
+                        keep: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of an HF checkpoint, one at a time.
+
+    ``keep(name) -> bool`` (optional) skips the others without reading them:
+    a pipeline stage reads only its own layers' bytes.
+    """
     from safetensors import safe_open
 
     files = _safetensors_files(Path(model_dir))
@@ -81,24 +86,36 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def build_model(
     hf_config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    tp_size: int = 1, components: Any = None,
+    tp_size: int = 1, components: Any = None, pp_rank: int = 0, pp_size: int = 1,
+    pp_layer_partition: Any = None,
 ) -> LlamaForCausalLM:
     """An uninitialised model for ``hf_config``, with parameters in ``dtype`` on ``device``.
 
     ``components`` (a :class:`~minivllm.backend.Components`) serve its layers;
-    None resolves the global backend spec once.
+    None resolves the global backend spec once. With ``pp_size > 1`` it is
+    pipeline stage ``pp_rank``: only that stage's layers have parameters
+    (:func:`minivllm.pp_stages.stage_layer_ranges` decides which, from
+    ``pp_layer_partition`` or the ``pipeline`` component's rule).
     """
+    from minivllm import backend
+    from minivllm.pp_stages import stage_layer_ranges
+
+    components = backend.as_components(components)
+    ranges = stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition,
+                                components.pipeline.get_pp_indices)
     cls = get_model_class(hf_config)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # create parameters in dtype directly (no fp32 detour)
     try:
         with torch.device(device):
-            model = cls(hf_config, tp_size=tp_size, components=components)
+            model = cls(hf_config, tp_size=tp_size, components=components,
+                        layer_range=ranges[pp_rank], pp_rank=pp_rank, pp_size=pp_size)
     finally:
         torch.set_default_dtype(old_dtype)
     # The RoPE cache is float32 by design, whatever the model dtype.
@@ -113,6 +130,9 @@ def load_model(
     tp_size: int = 1,
     components: Any = None,
     quantization: str | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    pp_layer_partition: Any = None,
 ) -> tuple[LlamaForCausalLM, Any, Any]:
     """Load ``model`` and return ``(model_module, hf_config, tokenizer)``.
 
@@ -130,6 +150,9 @@ def load_model(
         quantization: None (float weights), ``"int8"`` / ``"int4"`` (quantize
             at load) or ``"gguf"`` (a GGUF's quantized blocks as they are); see
             :mod:`minivllm.model.quantization`.
+        pp_rank, pp_size, pp_layer_partition: this process is pipeline stage
+            ``pp_rank`` of ``pp_size`` and loads only that stage's weights (see
+            :func:`build_model`).
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
@@ -150,11 +173,14 @@ def load_model(
         from transformers import AutoConfig, AutoTokenizer
 
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-        weights = iterate_safetensors(path)
+        weights = None  # read below, once the model knows which tensors are its own
         has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
         tokenizer = (AutoTokenizer.from_pretrained(path, local_files_only=True)
                      if has_tokenizer else None)
-    module = build_model(hf_config, dtype, device, tp_size, components)
+    module = build_model(hf_config, dtype, device, tp_size, components, pp_rank, pp_size,
+                         pp_layer_partition)
+    if weights is None:
+        weights = iterate_safetensors(path, keep=lambda name: not module.is_pp_missing(name))
     module.load_weights(weights)
     if quantization is not None:
         from minivllm import backend

@@ -1,0 +1,252 @@
+"""Pipeline parallelism: the layer split, the stages, micro-batches in flight, failures.
+
+Under ``--backend=ref`` ``LLM(..., pipeline_parallel_size=P)`` simulates the
+stages one after another in one process (:class:`UniProcExecutor`); under
+``--backend=fast`` every stage is a real gloo process (:class:`MultiprocExecutor`).
+The oracle is transformers' greedy continuation; the simulation and the real
+processes must also agree bit for bit on the same steps (the real executor
+runs at tp=1, where it accepts the ref linear layers too). The failure test
+always uses real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from minivllm import backend
+from minivllm.backend import COMPONENTS
+from minivllm.engine.executor import UniProcExecutor, simulates_all_ranks
+from minivllm.engine.multiproc_executor import MultiprocExecutor
+from minivllm.engine.pipeline import schedule_excluding
+from minivllm.pp_stages import PP_PARTITION_ENV, stage_layer_ranges, valid_pp_sizes
+from minivllm.ref.pipeline import get_pp_indices
+
+BLOCK_SIZE = 4
+
+
+def spec_with_ref_kernels() -> dict[str, str]:
+    """The backend under test for host components (linear, pipeline), ref kernels on the
+    CPU: the thing under test is how the layers are split and run, not the kernels."""
+    spec = {name: backend.resolve(name) for name in COMPONENTS}
+    spec.update({n: "ref" for n, k in COMPONENTS.items() if k == "kernel"})
+    return spec
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------
+# The layer split
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 5, 7, 12, 30, 31, 32])
+def test_get_pp_indices_contract(num_layers: int) -> None:
+    for pp in range(1, num_layers + 1):
+        ranges = [get_pp_indices(num_layers, r, pp) for r in range(pp)]
+        sizes = [end - start for start, end in ranges]
+        # Consecutive, non-empty, covering every layer once.
+        assert [s for s, _ in ranges] == [0] + [e for _, e in ranges[:-1]]
+        assert ranges[-1][1] == num_layers and min(sizes) >= 1
+        # Even up to one layer; the last stage (LM head) never gets an extra one, and
+        # the extra ones sit on the stages just before it.
+        base, extra = divmod(num_layers, pp)
+        assert sizes[-1] == base
+        assert sizes == [base + (pp - 1 - extra <= r < pp - 1) for r in range(pp)]
+    assert stage_layer_ranges(num_layers, 1) == [(0, num_layers)]
+
+
+def test_layer_partition_override_and_refusals(monkeypatch) -> None:
+    assert stage_layer_ranges(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert stage_layer_ranges(5, 3, "1,1,3") == [(0, 1), (1, 2), (2, 5)]
+    assert stage_layer_ranges(5, 2, (4, 1)) == [(0, 4), (4, 5)]
+    monkeypatch.setenv(PP_PARTITION_ENV, "3,1,1")
+    assert stage_layer_ranges(5, 3) == [(0, 3), (3, 4), (4, 5)]
+    assert stage_layer_ranges(5, 3, "1,3,1") == [(0, 1), (1, 4), (4, 5)]  # the arg wins
+    monkeypatch.delenv(PP_PARTITION_ENV)
+    for bad in ("2,2", "2,2,2", "5,0,0", "a,b,c", (1, 1, 3.0)):
+        with pytest.raises(ValueError, match="pp_layer_partition"):
+            stage_layer_ranges(5, 3, bad)
+    with pytest.raises(ValueError, match=r"pp sizes that work: \[1, 2, 3\]"):
+        stage_layer_ranges(3, 4)
+    assert valid_pp_sizes(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        stage_layer_ranges(3, 0)
+    # A wrong rule (a student's) is caught before any weight is loaded.
+    with pytest.raises(ValueError, match="not consecutive"):
+        stage_layer_ranges(5, 2, get_pp_indices=lambda n, r, p: (0, 3) if r == 0 else (2, 5))
+
+
+def test_schedule_excluding_hides_in_flight_requests() -> None:
+    """A request in flight is neither scheduled again nor preempted, and still counts
+    against max_num_seqs; ``running`` keeps its order."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.request import Request
+    from minivllm.sampling_params import SamplingParams
+
+    sched = backend.get("scheduler").Scheduler(
+        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=4, num_blocks=64), components=backend.as_components("ref"))
+    reqs = [Request(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), 0) for i in range(4)]
+    for r in reqs[:2]:
+        sched.add_request(r)
+    first = sched.schedule()
+    assert [r.request_id for r in first.scheduled_requests] == ["r0", "r1"]
+    for r in reqs[2:]:
+        sched.add_request(r)
+    second = schedule_excluding(sched, {"r0", "r1"})
+    # r0, r1 in flight: only one more fits under max_num_seqs=3.
+    assert [r.request_id for r in second.scheduled_requests] == ["r2"]
+    assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"]
+    assert sched.scheduler_config.max_num_seqs == 3
+
+
+# --------------------------------------------------------------------------
+# The whole engine against transformers
+# --------------------------------------------------------------------------
+
+# (arch, config overrides, tp, pp, engine overrides): 5 layers never divide by 2 or 3.
+# Chunked prefill from a small token budget, preemption from a small pool, prefix
+# caching from prompts that share a prefix.
+CASES = [
+    pytest.param("llama", {}, 1, 2, dict(max_num_batched_tokens=12), id="llama-gqa-pp2"),
+    pytest.param("qwen2", dict(tie_word_embeddings=True), 1, 3,
+                 dict(max_num_batched_tokens=16, num_gpu_blocks_override=14),
+                 id="qwen2-tied-pp3"),
+    pytest.param("llama", {}, 2, 2, dict(max_num_batched_tokens=12, num_gpu_blocks_override=14),
+                 id="llama-tp2xpp2"),
+]
+
+
+@pytest.mark.parametrize("arch,overrides,tp,pp,engine_kw", CASES)
+def test_llm_pp_greedy_matches_transformers(tiny_model_dir, arch, overrides, tp, pp,
+                                            engine_kw) -> None:
+    from test_engine import greedy, hf_greedy, random_prompts
+
+    from minivllm import LLM
+
+    path = tiny_model_dir(arch, num_hidden_layers=5, **overrides)
+    shared = random_prompts(1, [9], seed=11)[0]
+    prompts = [shared + p for p in random_prompts(4, [3, 14, 1, 6], seed=pp)] + [shared]
+    llm = LLM(str(path), backend=spec_with_ref_kernels(), tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, dtype="float32", device="cpu", max_model_len=128,
+              block_size=BLOCK_SIZE, **engine_kw)
+    executor = llm.llm_engine.executor
+    procs = list(getattr(executor, "procs", []))
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(10),
+                            use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 10)
+    if simulates_all_ranks(spec_with_ref_kernels()):
+        assert isinstance(executor, UniProcExecutor) and len(executor.workers) == pp
+    else:
+        assert isinstance(executor, MultiprocExecutor) and len(procs) == tp * pp - 1
+        assert [p.exitcode for p in procs] == [0] * len(procs)  # a clean shutdown
+        assert all(_gone(p.pid) for p in procs)
+
+
+# --------------------------------------------------------------------------
+# The simulation equals the real processes, bit for bit
+# --------------------------------------------------------------------------
+
+
+def test_ref_pipeline_equals_real_pipeline_exactly(tiny_model_dir) -> None:
+    from test_tp_engine import NUM_BLOCKS, Batches
+
+    path = str(tiny_model_dir("llama", num_hidden_layers=5))
+    spec = spec_with_ref_kernels()
+    runs, memory, timelines = [], [], []
+    for cls in (UniProcExecutor, MultiprocExecutor):
+        ex = (UniProcExecutor(path, torch.float32, "cpu", 1, spec, pp_size=3) if cls is
+              UniProcExecutor else MultiprocExecutor(path, torch.float32, "cpu", 1,
+                                                     components=spec, pp_size=3))
+        with ex:
+            ex.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
+            batches = Batches(seed=7, vocab=ex.hf_config.vocab_size)
+            inputs = [batches.next_input() for _ in range(4)]
+            pending = [ex.execute_model(s, non_block=True) for s in inputs[:3]]  # in flight
+            logits = [p.result() for p in pending] + [ex.execute_model(inputs[3])]
+            runs.append(logits)
+            memory.append(ex.memory_per_rank())
+            timelines.append(ex.stage_timeline())
+    with UniProcExecutor(path, torch.float32, "cpu", 1, spec) as whole:
+        whole.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
+        batches = Batches(seed=7, vocab=whole.hf_config.vocab_size)
+        expected = [whole.execute_model(batches.next_input()) for _ in range(4)]
+        whole_memory = whole.memory_per_rank()[0]
+    for step, (sim, real, one) in enumerate(zip(*runs, expected)):
+        assert torch.equal(sim, real), f"step {step}: simulation != real processes"
+        torch.testing.assert_close(sim, one, atol=1e-5, rtol=1e-5)
+    # Layers 0-1, 2-3, 4 per stage: KV cache 2:2:1, and no stage holds the whole model.
+    assert memory[0] == memory[1]
+    kv = [m["kv_cache"] for m in memory[0]]
+    assert kv[0] == kv[1] == 2 * kv[2] and sum(kv) == whole_memory["kv_cache"]
+    assert all(m["weights"] < whole_memory["weights"] for m in memory[0])
+    # One record per stage per micro-batch, each stage after the one before it.
+    for records in timelines:
+        assert [(t.batch, t.pp_rank) for t in records] == [(b, s) for b in range(4)
+                                                           for s in range(3)]
+        for a, b in zip(records, records[1:]):
+            if a.batch == b.batch:
+                assert a.end <= b.start
+
+
+def test_tp_pp_sizes_are_refused_with_the_sizes_that_work(tiny_model_dir) -> None:
+    from minivllm import LLM
+
+    path = str(tiny_model_dir("llama", num_hidden_layers=3))
+    with pytest.raises(ValueError, match=r"pp sizes that work: \[1, 2, 3\]"):
+        LLM(path, backend=spec_with_ref_kernels(), pipeline_parallel_size=4, device="cpu")
+    with pytest.raises(ValueError, match=r"tp sizes that work: \[1, 2, 4\]"):
+        LLM(path, backend=spec_with_ref_kernels(), tensor_parallel_size=3,
+            pipeline_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="pp_layer_partition"):
+        LLM(path, backend=spec_with_ref_kernels(), pipeline_parallel_size=2,
+            pp_layer_partition="1,1", device="cpu")
+
+
+# --------------------------------------------------------------------------
+# Failures: real processes
+# --------------------------------------------------------------------------
+
+
+def test_killed_stage_fails_every_request_and_leaves_nothing_behind(tiny_model_dir) -> None:
+    from minivllm import LLM, SamplingParams
+
+    spec = spec_with_ref_kernels()
+    if simulates_all_ranks(spec):
+        spec["linear"] = "fast"  # real processes: one per stage
+    llm = LLM(str(tiny_model_dir("llama", num_hidden_layers=5)), backend=spec,
+              pipeline_parallel_size=3, dtype="float32", device="cpu", max_model_len=256,
+              block_size=BLOCK_SIZE)
+    try:
+        executor = llm.llm_engine.executor
+        procs = list(executor.procs)
+        threading.Timer(0.5, os.kill, (procs[0].pid, signal.SIGKILL)).start()  # the middle
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"stage 1, tp rank 0\) died \(exitcode -9\)"):
+            for _ in range(1000):  # long enough that the kill lands mid-generate
+                llm.generate([{"prompt_token_ids": [1, 2, 3 + i]} for i in range(4)],
+                             SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - start < 60
+        assert not llm.llm_engine.has_unfinished_requests()  # every request was aborted
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p.pid) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p.pid) for p in procs)
