@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(minivllm/bench/spec_latency.py)")
     p.add_argument("--spec-batch-sizes", type=int, nargs="+", default=[1, 64],
                    help="batch sizes of the --speculative-config comparison")
+    p.add_argument("--spec-workloads", nargs="+", default=["grounded", "random"],
+                   choices=["grounded", "random"],
+                   help="workloads of the --speculative-config comparison")
     args = p.parse_args(argv)
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:

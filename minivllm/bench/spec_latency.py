@@ -7,11 +7,14 @@ plain, ...) so that a drifting machine load hits both alike. Two workloads:
 - **grounded**: chat prompts that ask the model to repeat a passage (prose
   and code) with one change; the answer copies the prompt, which is where
   n-gram prompt lookup finds its drafts;
-- **random**: prompts of random token ids; the continuation does not repeat
-  the prompt, so n-gram drafts are rare and mostly wrong (the back-off case).
+- **random**: prompts of random token ids, continued by sampling at
+  temperature 1 (seeded per request): the text does not repeat, so n-gram
+  drafts are rare and mostly wrong (the back-off case). Greedy would not do:
+  SmolLM2's greedy continuation of random tokens falls into a loop, which
+  n-gram lookup predicts perfectly.
 
-Each runs at every ``--spec-batch-sizes`` (default 1 and 64), greedy, up to
-``--output-len`` tokens (EOS ends a request early). Reported per row:
+Each runs at every ``--spec-batch-sizes`` (default 1 and 64), up to
+``--output-len`` tokens (EOS ends a request early); grounded is greedy. Reported per row:
 decode time per output token after the first step (``ms/tok``, all requests'
 tokens together), the speculative engine's speed-up over the plain one
 (``plain ms/tok / spec ms/tok``), the draft acceptance rate and the mean
@@ -61,14 +64,15 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
     return [[rng.randint(100, vocab_size - 1) for _ in range(length)] for _ in range(n)]
 
 
-def time_run(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+def time_run(llm, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> dict:
     """One batch: tokens, decode seconds after the first step, and the spec counters."""
     from minivllm import SamplingParams
 
     engine = llm.llm_engine
     engine.scheduler.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    ids = [engine.add_request(None, p, params) for p in prompts]
+    ids = [engine.add_request(None, p, SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None))
+        for i, p in enumerate(prompts)]
     done, lengths, first = {}, {}, None
     counts = dict(drafts=0, draft_tokens=0, accepted=0)
     start = time.perf_counter()
@@ -90,14 +94,14 @@ def time_run(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     return dict(tokens=tokens, decode_s=end - t0, n_decode=max(n_decode, 1), **counts)
 
 
-def measure(plain, spec, prompts, max_tokens: int, iters: int) -> dict:
+def measure(plain, spec, prompts, max_tokens: int, iters: int, temperature: float) -> dict:
     """Median ms per decode token of each engine (interleaved runs), and the counters."""
     time_run(plain, [p[:8] for p in prompts[:2]], 4)  # warm up
     time_run(spec, [p[:8] for p in prompts[:2]], 4)
     p_ms, s_ms, last = [], [], {}
     for _ in range(iters):
-        a = time_run(plain, prompts, max_tokens)
-        b = time_run(spec, prompts, max_tokens)
+        a = time_run(plain, prompts, max_tokens, temperature)
+        b = time_run(spec, prompts, max_tokens, temperature)
         p_ms.append(1000 * a["decode_s"] / a["n_decode"])
         s_ms.append(1000 * b["decode_s"] / b["n_decode"])
         last = dict(identical=a["tokens"] == b["tokens"], spec=b)
@@ -105,7 +109,8 @@ def measure(plain, spec, prompts, max_tokens: int, iters: int) -> dict:
     p_med, s_med = sorted(p_ms)[len(p_ms) // 2], sorted(s_ms)[len(s_ms) // 2]
     return dict(
         plain_ms_per_token=p_med, spec_ms_per_token=s_med, speedup=p_med / s_med,
-        identical=last["identical"], tokens_per_request=b["n_decode"] / len(prompts),
+        identical=last["identical"] if temperature == 0 else None,  # sampled: may differ
+        tokens_per_request=b["n_decode"] / len(prompts),
         acceptance_rate=b["accepted"] / b["draft_tokens"] if b["draft_tokens"] else None,
         mean_acceptance_length=1 + b["accepted"] / b["drafts"] if b["drafts"] else None,
         num_drafts=b["drafts"],
@@ -124,11 +129,12 @@ def run(args) -> int:
     tok = plain.get_tokenizer()
     vocab = plain.llm_engine.vocab_size
     rows = []
-    for workload in ("grounded", "random"):
+    for workload in args.spec_workloads:
         for bs in args.spec_batch_sizes:
             prompts = (grounded_prompts(tok, bs) if workload == "grounded"
                        else random_prompts(bs, args.input_len, vocab, args.seed))
-            res = measure(plain, spec, prompts, args.output_len, args.num_iters)
+            res = measure(plain, spec, prompts, args.output_len, args.num_iters,
+                          0.0 if workload == "grounded" else 1.0)
             rows.append(dict(workload=workload, batch_size=bs, **res))
             print(_row(rows[-1]), flush=True)
     plain.shutdown()
