@@ -123,7 +123,7 @@ def run(args) -> int:
 
     spec_cfg = args.speculative_config
     dtype = args.dtype[0]
-    kw = dict(dtype=dtype, backend=args.backend, device=args.device, max_model_len=1024)
+    kw = dict(dtype=dtype, backend=args.backend, device=args.device)
     plain = LLM(args.model, **kw)
     spec = LLM(args.model, speculative_config=spec_cfg, **kw)
     tok = plain.get_tokenizer()
