@@ -184,8 +184,9 @@ class StepStats:
     Attributes:
         step: index of this step (0 for the engine's first step).
         num_scheduled_tokens: request id -> tokens computed for it this step.
-        decode_req_ids: the scheduled requests that ran a one-token decode
-            (every other scheduled request ran a prefill or recompute chunk).
+        decode_req_ids: the scheduled requests that ran a decode: one token,
+            plus its drafts with speculative decoding (every other scheduled
+            request ran a prefill or recompute chunk).
         preempted_req_ids: requests preempted this step.
         finished_req_ids: requests that finished this step (stop, length or abort).
         num_running: requests holding KV blocks after the step.

@@ -327,3 +327,20 @@ def test_tp2_with_speculation_matches_transformers(tiny_model_dir):
         llm.shutdown()
     assert totals["accepted"] > 0
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 24)
+
+
+def test_bench_latency_speculative_config_runs(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from minivllm.bench.latency import main
+
+    out = tmp_path / "spec.json"
+    assert main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--device",
+                 "cpu", "--speculative-config", json.dumps(ngram(3)), "--spec-batch-sizes",
+                 "1", "2", "--output-len", "12", "--num-iters", "1", "--input-len", "16",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["batch_size"]) for r in rows] == [
+        ("grounded", 1), ("grounded", 2), ("random", 1), ("random", 2)]
+    assert all(r["identical"] for r in rows if r["workload"] == "grounded")
+    assert "speed-up" in capsys.readouterr().out

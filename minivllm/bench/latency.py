@@ -253,6 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true",
                    help="skip the profiled run (no kernel time, no host overhead)")
     p.add_argument("--out", default="results/bench_latency.json")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="compare speculative decoding with this config (vLLM's dict, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}') against "
+                        "plain decoding on a grounded and a random workload instead "
+                        "(minivllm/bench/spec_latency.py)")
+    p.add_argument("--spec-batch-sizes", type=int, nargs="+", default=[1, 64],
+                   help="batch sizes of the --speculative-config comparison")
+    p.add_argument("--spec-workloads", nargs="+", default=["grounded", "random"],
+                   choices=["grounded", "random"],
+                   help="workloads of the --speculative-config comparison")
     args = p.parse_args(argv)
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:
@@ -261,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--quantization: LLM(..., quantization=) is not available in this "
                          "minivllm yet")
 
+    if args.speculative_config is not None:
+        from minivllm.bench import spec_latency
+
+        return spec_latency.run(args)
     results = [run_one(args, dtype, None) for dtype in args.dtype]
     for q in args.quantization or []:
         results += [run_one(args, dtype, q) for dtype in args.dtype]

@@ -504,7 +504,9 @@ class LLMEngine:
             # A step of prefill chunks alone samples nothing, but still advances them.
             if not sampling_reqs:
                 rows = []
-            elif self.spec is None:
+            elif self.spec is None or not scheduler_output.scheduled_spec_decode_tokens:
+                # No drafts this step: the plain sampler (rejection_sample with k = 0
+                # gives the same tokens, at a higher cost).
                 rows = self._sample(logits, sampling_reqs, outputs)
             else:
                 rows, spec_stats = self.spec.sample(

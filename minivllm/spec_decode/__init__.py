@@ -7,6 +7,11 @@
   draft tokens, flattened), :class:`RejectionSamplerOutput`, and the helpers
   both rejection-sampler twins call: input checks, per-position sampling
   metadata and the one place verification randomness is drawn.
+- :mod:`minivllm.spec_decode.proposer`: the :class:`Proposer` protocol (the
+  hook a draft model plugs into) and the n-gram proposer.
+- :mod:`minivllm.spec_decode.step`: :class:`SpecDecoder`, the speculative part
+  of an engine step (verify, count, propose).
+- :mod:`minivllm.spec_decode.backoff`: when a request stops getting drafts.
 - :mod:`minivllm.spec_decode.draft_model`: the draft-model proposer, including
   self-speculation on the target's first ``L`` layers
   (:meth:`~minivllm.model.llama.LlamaForCausalLM.first_layers`) over the

@@ -1,8 +1,8 @@
 """``SpeculativeConfig``: how a request is speculated, as vLLM's ``speculative_config``.
 
 ``LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 3})``
-will build one of these with :meth:`SpeculativeConfig.from_dict` (the engine
-integration is a later step; see ``docs/speculative_decoding.md``). Field names
+builds one of these with :meth:`SpeculativeConfig.from_dict` (``EngineConfig``
+checks it before anything is loaded; see ``docs/speculative_decoding.md``). Field names
 and defaults follow vLLM (``vllm/config/speculative.py``); every value is
 checked when the object is made, and a bad one raises ``ValueError`` naming
 the field, the value and the allowed range.
