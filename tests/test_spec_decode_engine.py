@@ -313,6 +313,13 @@ def test_bad_speculative_config_is_a_value_error(tiny_model_dir, bad, field):
         make_llm(tiny_model_dir("llama"), speculative_config=bad)
 
 
+
+def test_speculation_with_pipeline_parallelism_is_refused():
+    from minivllm.engine.llm_engine import EngineConfig
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 2}, pipeline_parallel_size=2)
+
 @pytest.mark.slow
 def test_tp2_with_speculation_matches_transformers(tiny_model_dir):
     from test_tp_engine import _tp_llm
