@@ -26,6 +26,12 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("distributed.py", "_TP_SIZE"): "the tensor-parallel world size",
     ("distributed.py", "_CPU_GROUP"): "the gloo group for host-side collectives",
     ("distributed.py", "_CONTROL_GROUP"): "the group workers wait on for commands",
+    # Pipeline parallelism (set once by init_distributed, per rank, like vLLM's parallel_state).
+    ("distributed.py", "_PP_RANK"): "this process's pipeline stage",
+    ("distributed.py", "_PP_SIZE"): "the number of pipeline stages",
+    ("distributed.py", "_TP_GROUP"): "this stage's tensor-parallel group (None: the world)",
+    ("distributed.py", "_WORLD_CPU_GROUP"): "the world-wide gloo group (stage-to-stage traffic)",
+    ("distributed.py", "_WORLD_CONTROL_GROUP"): "the world-wide group workers wait on",
 }
 
 #: Files another change rewrites; an exemption here is temporary.
