@@ -1,7 +1,7 @@
 """The fast ``linear`` twin's small-M C++ kernel (``minivllm/fast/csrc/gemv.cpp``).
 
-Oracle: a float64 matmul of the same bf16 weights (and the same activations,
-rounded to the activation dtype). Awkward shapes: every M from 1 to 17 (17
+Oracle: a float64 matmul of the same bf16 or float32 weights (and the same
+activations, rounded to the activation dtype). Awkward shapes: every M from 1 to 17 (17
 goes to ``F.linear``), K and N that are not multiples of 16 or 32, so a kernel
 that drops or double-counts a tail element fails. Both the compiled path
 (AVX-512 BF16 where the CPU has it) and the portable float32-FMA path run.
@@ -85,12 +85,60 @@ def test_strided_and_batched_inputs(portable) -> None:
     check(y3.reshape(6, 781), x3.reshape(6, 200), w)
 
 
+def check_f32(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b=None) -> None:
+    """float32 weights and activations: float32 accumulation error over K only."""
+    expect = oracle(x, w, b)
+    assert y.dtype == x.dtype and y.shape == expect.shape
+    mag = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    bound = mag * (x.shape[-1] + 2) * 2.0**-24 + 1e-30
+    if x.dtype == torch.bfloat16:  # the output is rounded to bf16
+        bound = bound + expect.abs() * 2.0**-8
+    assert ((y.double() - expect).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k,n", SHAPES + [(577, 1029)])
+def test_float32_weights_against_float64(k, n, act) -> None:
+    """Float32 weights: M = 1..17 (1 and 17 are F.linear's), K % 8 != 0, N % 4 != 0."""
+    g = torch.Generator().manual_seed(k * 17 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    # F.linear (m = 1, 17) needs one dtype: bf16 activations only where the GEMV runs.
+    rows = range(1, fast_linear.GEMV_MAX_ROWS + 2) if act == torch.float32 else range(2, 17)
+    for m in rows:
+        x = torch.randn(m, k, generator=g).to(act)
+        check_f32(fast_linear.linear(x, w), x, w)
+        check_f32(fast_linear.linear(x, w, b), x, w, b)
+    wide = torch.randn(5, 2 * k + 3, generator=g)
+    x = wide[:, 3 : 3 + k]  # rows with a stride: not contiguous
+    check_f32(fast_linear.linear(x, w, b), x, w, b)
+    xt = torch.randn(k, 3, generator=g).T  # no unit stride: copied first
+    check_f32(fast_linear.linear(xt, w), xt, w)
+
+
+def test_float32_tail_elements_count() -> None:
+    """Only the last element of each float32 K row is non-zero: a dropped tail gives 0."""
+    for k in (1, 7, 9, 15, 17, 577):
+        w = torch.zeros(5, k)
+        w[:, -1] = torch.arange(1.0, 6.0)
+        x = torch.zeros(3, k)
+        x[:, -1] = 2.0
+        y = torch.empty(3, 5)
+        cpu_ops.ops().linear_small_m(y, x, w, None, False)
+        assert torch.equal(y, torch.tensor([[2.0, 4, 6, 8, 10]] * 3)), (k, y)
+
+
 def test_dispatch_rules() -> None:
-    """The GEMV serves bf16 weights and few rows; everything else is F.linear's."""
+    """The GEMV serves few rows (float32 weights: from 2); everything else is F.linear's."""
     w16 = torch.zeros(8, 8, dtype=torch.bfloat16)
+    assert fast_linear._gemv_applies(torch.zeros(1, 8), w16)
     assert fast_linear._gemv_applies(torch.zeros(16, 8), w16)
     assert not fast_linear._gemv_applies(torch.zeros(17, 8), w16)
-    assert not fast_linear._gemv_applies(torch.zeros(1, 8), w16.float())
+    assert not fast_linear._gemv_applies(torch.zeros(1, 8), w16.float())  # MKL's sgemv
+    assert fast_linear._gemv_applies(torch.zeros(2, 8), w16.float())
+    assert fast_linear._gemv_applies(torch.zeros(4, 4, 8), w16.float())
+    assert not fast_linear._gemv_applies(torch.zeros(17, 8), w16.float())
+    assert not fast_linear._gemv_applies(torch.zeros(2, 8), w16.half())
     assert not fast_linear._gemv_applies(torch.zeros(1, 8, dtype=torch.float16), w16)
 
 
@@ -115,8 +163,8 @@ def test_bad_shapes_raise() -> None:
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="weight"):
         ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 9), w, None, False)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 8), w.float(), None, False)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.linear_small_m(torch.empty(1, 4), torch.zeros(1, 8), w.half(), None, False)
 
 
 def test_ref_twin_is_the_textbook_matmul() -> None:

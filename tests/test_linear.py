@@ -356,8 +356,11 @@ def test_twins_contracts(kind: str) -> None:
     k = dict(tokens=4, **{"in": 11}, out=3, out2=2, kv=1, group=2, head=3, vocab=17,
              **dict.fromkeys(CASE_SWITCHES, False))
     case = make_case(kind, 1, k, bias=kind != "embedding", seed=11)
+    # A lookup is exact; a matmul of these 4 rows is the fast twin's C++ GEMV, which
+    # sums in another order than MKL: float32's default closeness, not bit equality.
+    exact = dict(rtol=0, atol=0) if kind == "embedding" else {}
     torch.testing.assert_close(build_and_run(fast, case, 0), build_and_run(ref, case, 0),
-                               rtol=0, atol=0)
+                               **exact)
     if kind not in ("column", "merged", "qkv"):
         return  # the others communicate in forward: covered by the pool above
     case = make_case(kind, 2, dict(k, kv_divides=True), bias=True, seed=12)

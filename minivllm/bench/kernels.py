@@ -12,9 +12,10 @@ block_size 16), prefill attention (4 x 256 tokens, against SDPA on the same
 dense work), the norms, SiLU-and-mul, RoPE and the cache write at 2048 tokens.
 The copy bandwidth is a 256 MiB ``copy_`` (bytes read + written), so GB/s
 fractions say how close each kernel gets to the memory system's limit.
-The decode-shaped linear (the fast ``linear`` twin's C++ GEMV, one token row
-times SmolLM2's 49152 x 576 bf16 LM head, 56 MB: larger than the caches) is
-timed against ``F.linear`` (oneDNN) in the ref's column, and its GB/s (weight
+The decode-shaped linear (the fast ``linear`` twin's C++ GEMV on SmolLM2's
+49152 x 576 LM head, 56 MB in bf16, 113 MB in float32: larger than the caches;
+one token row in bf16 and float32, and 4 rows in float32) is timed against
+``F.linear`` (oneDNN/MKL) in the ref's column, and its GB/s (weight
 bytes / time) against the *read* bandwidth measured in the same run (a
 ``sum`` over 256 MiB of float32, bytes read / time), because a GEMV only reads.
 
@@ -292,25 +293,41 @@ def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
                 dict(shape=f"T{tokens} H_kv{kv_heads} d{d} {_name(dtype)} bs{bs}"))  # fmt: skip
 
 
-def bench_gemv(read_bw: float, shapes: dict) -> dict:
-    """The decode-shaped linear on a CPU: the C++ GEMV against F.linear (oneDNN), bf16."""
+def bench_gemv(read_bw: float, shapes: dict) -> list[dict]:
+    """The decode-shaped linear on a CPU: the C++ GEMV against F.linear (oneDNN/MKL).
+
+    Rows: bf16 weights at M = 1, float32 weights at M = 1 and at M = 4 (a
+    speculative-decoding verification of 3 drafted tokens). At M = 1 float32
+    ``linear()`` itself stays on MKL's sgemv, so that row calls the op directly.
+    """
     import torch.nn.functional as F
 
-    from minivllm.fast import linear as fast_linear
+    from minivllm.fast import cpu_ops
 
     m, k, n = shapes["gemv"]
-    w = torch.randn(n, k).to(torch.bfloat16)
-    x = torch.randn(m, k).to(torch.bfloat16)
-    err = _err(fast_linear.linear(x, w), F.linear(x, w))
-    t_fast = _bench(lambda: fast_linear.linear(x, w))
-    t_ref = _bench(lambda: F.linear(x, w))
-    nbytes = w.numel() * 2 + (x.numel() + m * n) * 2  # weights read once, x read, y written
-    row = _row("GEMV (linear, M=1)", t_ref, t_fast, err, nbytes,
-               dict(shape=f"M{m} K{k} N{n} bf16", oneDNN_GBps=nbytes / (t_ref * 1e-3),
-                    read_GBps=read_bw, read_fraction=nbytes / (t_fast * 1e-3) / read_bw,
-                    avx512_bf16=bool(__import__("minivllm.fast.cpu_ops", fromlist=["ops"])
-                                     .ops().gemv_has_avx512_bf16())))  # fmt: skip
-    return row
+    ops = cpu_ops.ops()
+    rows = []
+    for dtype, rows_m in ((torch.bfloat16, m), (torch.float32, m), (torch.float32, 4 * m)):
+        w = torch.randn(n, k).to(dtype)
+        x = torch.randn(rows_m, k).to(dtype)
+        out = torch.empty(rows_m, n, dtype=dtype)
+
+        def gemv(out=out, x=x, w=w):
+            ops.linear_small_m(out, x, w, None, False)
+            return out
+
+        err = _err(gemv().clone(), F.linear(x, w))
+        t_fast = _bench(gemv)
+        t_ref = _bench(lambda x=x, w=w: F.linear(x, w))
+        size = w.element_size()
+        nbytes = w.numel() * size + (x.numel() + rows_m * n) * size  # w read once, x, y
+        rows.append(_row(f"GEMV (linear, M={rows_m})", t_ref, t_fast, err, nbytes,
+                         dict(shape=f"M{rows_m} K{k} N{n} {_name(dtype)}",
+                              oneDNN_GBps=nbytes / (t_ref * 1e-3), read_GBps=read_bw,
+                              read_fraction=nbytes / (t_fast * 1e-3) / read_bw,
+                              avx512_bf16=dtype == torch.bfloat16
+                              and bool(ops.gemv_has_avx512_bf16()))))  # fmt: skip
+    return rows
 
 
 # ----------------------------------------------------------------------------- report
@@ -386,9 +403,9 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         notes = []
         if "read_fraction" in r:
-            notes.append(f"{100 * r['read_fraction']:.0f}% of read bandwidth; oneDNN "
+            notes.append(f"{100 * r['read_fraction']:.0f}% of read bandwidth; F.linear "
                          f"{r['oneDNN_GBps'] / 1e9:.1f} GB/s; "
-                         f"{'AVX-512 BF16' if r['avx512_bf16'] else 'portable FMA path'}")
+                         f"{'AVX-512 BF16' if r['avx512_bf16'] else 'FMA path'}")
         elif "bandwidth_fraction" in r:
             notes.append(f"{100 * r['bandwidth_fraction']:.0f}% of copy bandwidth")
         if "sdpa_over_fast" in r:

@@ -35,12 +35,16 @@ needed and every layer is a plain matmul / ``F.embedding``.
 
 The matmul itself is :func:`linear`: ``F.linear`` (oneDNN/MKL on a CPU,
 cuBLAS on CUDA), except for decode-shaped inputs on a CPU. With at most
-:data:`GEMV_MAX_ROWS` token rows and bf16 weights, the C++ op
-``torch.ops.minivllm.linear_small_m`` (``csrc/gemv.cpp``) reads each weight
-row once at memory bandwidth and does all the rows' arithmetic while it sits
-in L1: AVX-512 BF16 dot products where the CPU has them, float32 FMAs
-elsewhere. A GEMM library tiles for a reuse that one row does not have. The
-fused QKV and gate/up weights stay fused: one call streams the whole matrix.
+:data:`GEMV_MAX_ROWS` token rows and bf16 weights (float32 weights: 2 to
+:data:`GEMV_MAX_ROWS` rows), the C++ op ``torch.ops.minivllm.linear_small_m``
+(``csrc/gemv.cpp``) reads each weight row once at memory bandwidth and does
+all the rows' arithmetic while it sits in L1: AVX-512 BF16 dot products where
+the CPU has them, float32 FMAs elsewhere. A GEMM library tiles for a reuse
+that a few rows do not have: MKL's sgemm packs the whole float32 weight first,
+so 2 or 4 rows (a speculative-decoding verification) cost 2-3x one row. A
+single float32 row stays with MKL's sgemv, which already streams at about the
+op's speed (``docs/kernels.md`` has the numbers). The fused QKV and gate/up
+weights stay fused: one call streams the whole matrix.
 
 A layer learns its rank from :func:`minivllm.distributed.get_tp_rank` when it
 is built, so build it after :func:`minivllm.distributed.init_distributed`
@@ -78,17 +82,27 @@ __all__ = [
 SIMULATES_ALL_RANKS = False
 
 
-#: Token rows up to which a bf16 linear on a CPU runs the C++ GEMV (above: oneDNN/MKL).
+#: Token rows up to which a linear on a CPU runs the C++ GEMV (above: oneDNN/MKL).
 GEMV_MAX_ROWS = 16
+#: Fewest rows for which float32 weights take the GEMV: one row is MKL's sgemv, as fast.
+GEMV_MIN_ROWS_F32 = 2
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True if ``linear(x, weight)`` should run the C++ small-M kernel."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+    """True if ``linear(x, weight)`` should run the C++ small-M kernel.
+
+    bf16 weights: 1 to :data:`GEMV_MAX_ROWS` rows; float32 weights:
+    :data:`GEMV_MIN_ROWS_F32` to :data:`GEMV_MAX_ROWS` rows.
+    """
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return False
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != weight.shape[1]:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return False
-    if x.numel() > GEMV_MAX_ROWS * weight.shape[1] or torch.compiler.is_compiling():
+    if x.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling():
+        return False
+    rows = x.numel() // max(1, weight.shape[1])
+    fewest = GEMV_MIN_ROWS_F32 if weight.dtype == torch.float32 else 1
+    if not fewest <= rows <= GEMV_MAX_ROWS:
         return False
     from minivllm.fast import cpu_ops
 
@@ -99,7 +113,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            portable: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``, ``(..., K) -> (..., N)``: ``F.linear``, or the GEMV for few rows.
 
-    On a CPU with bf16 weights and at most :data:`GEMV_MAX_ROWS` rows it calls
+    On a CPU with few rows (see :func:`_gemv_applies`: bf16 or float32 weights,
+    at most :data:`GEMV_MAX_ROWS` rows) it calls
     ``torch.ops.minivllm.linear_small_m`` (float32 accumulation; the output has
     ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
