@@ -368,6 +368,11 @@ class LlamaForCausalLM(nn.Module):
         inner.rotary_emb = self.model.rotary_emb
         inner.layers = self.model.layers[:num_layers]  # a new ModuleList of the same layers
         inner.norm = self.model.norm
+        # One stage holding layers 0 .. num_layers - 1: the pipeline's stage_forward
+        # then runs exactly those, embeds first and applies the norm last.
+        inner.start_layer, inner.end_layer = 0, num_layers
+        inner.is_first_rank = inner.is_last_rank = True
+        inner.pipeline = self.model.pipeline
         view = cls.__new__(cls)
         nn.Module.__init__(view)
         view.config, view.tp_size = self.config, self.tp_size
