@@ -122,13 +122,14 @@ fig.savefig(figure_path("11_pass_cost.png"), dpi=120)
 # line stays below the dotted one: every query token reads the same weights, so
 # a pass of ``k + 1`` tokens costs far less than ``k + 1`` passes (the ratios
 # are printed above). It is not free on a CPU, though. On the 2-core
-# development machine (three runs, under load) a 2-token pass cost 1.6 to 2.2
-# times a 1-token one and passes of 3 to 12 tokens 2.1 to 3.2 times. Most of that is float32 matrix
-# multiplication of a few rows: a 1-row product is a GEMV that streams the
-# weight once, while torch's GEMM for 2 to 16 rows first packs the weight, and
-# the LM head (49152 × 576, for every query row) then costs 2 to 4 times its
-# GEMV (measured alone, one thread: 17 ms for 1 row, 41 ms for 2, 62 ms for
-# 3). The smaller that ratio, the more a good guess saves.
+# development machine (one thread, load average about 2) a 2-token pass cost
+# 1.03 times a 1-token one, 4 tokens 1.3 times and 12 tokens about 2 times.
+# Up to 16 rows every linear layer runs the C++ small-M GEMV
+# (``torch.ops.minivllm.linear_small_m``), which streams each weight once for
+# all the rows; what grows with the rows is the arithmetic, the attention and
+# the LM head's logits. (Before that kernel took float32 weights, torch's GEMM
+# for 2 to 16 rows packed the weight first and a 2-token pass cost 1.6 to 2.2
+# times a 1-token one.) The smaller that ratio, the more a good guess saves.
 
 # %% [markdown]
 # 2 · The acceptance rule
@@ -389,21 +390,21 @@ for k in (1, 3, 5):
 # at the ``α`` that early exits of ``L`` = 8 to 28 layers reach (their greedy
 # agreement with the full model, measured above), and the engine's measured
 # self-speculation run (star). Look at the left panel: the solid lines sit below
-# the dashed ones by the verification pass's extra cost, so on this CPU even a
-# free proposer needs ``α`` above about 0.6 to 0.7 (at ``k = 1`` it may never
-# win), and a larger ``k`` pays only at a high ``α``; input-grounded text
-# gives n-gram lookup such an ``α``. Look at the right panel: SmolLM2 was not
+# the dashed ones by the verification pass's extra cost; with the pass costs
+# above, a free proposer wins on this CPU once ``α`` exceeds a few percent at
+# ``k = 1`` and about 0.25 to 0.35 at ``k = 3`` and 5 (printed above), and a
+# larger ``k`` pays only at a higher ``α``; input-grounded text gives n-gram
+# lookup such an ``α``. Look at the right panel: SmolLM2 was not
 # trained for early exits (LayerSkip trains for them), so its first layers
 # seldom agree with the full model, while a
 # draft step of ``L`` layers still costs most of a pass (the embedding, the LM
 # head and the per-step overhead do not shrink with ``L``): every
 # self-speculation point sits below 1, exact but slower. The stars come from
-# single runs on a shared machine and move by tens of percent between runs; on
-# the 2-core development machine under load (load average 5 to 14) n-gram gave
-# 0.94x at ``k = 1`` (twice), 1.25x, 1.49x and 1.57x at ``k = 3``, 2.2x and
-# 1.44x at ``k = 5``, and self-speculation (``L = 28``, ``k = 3``) 0.45x,
-# 0.61x and 0.51x, a little above its model because the back-off pauses
-# drafting while acceptance is low. Every run emitted exactly
+# single runs and move by tens of percent between runs; on the 2-core
+# development machine (one thread, load average about 2) n-gram gave 1.64x at
+# ``k = 1``, 2.24x at ``k = 3`` and 2.18x at ``k = 5``, and self-speculation
+# (``L = 28``, ``k = 3``) 0.55x, a little above its model because the
+# back-off pauses drafting while acceptance is low. Every run emitted exactly
 # the tokens of plain greedy decoding (printed above).
 
 # %% [markdown]
