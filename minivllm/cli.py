@@ -67,7 +67,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\', or '
+                        'self-speculation on the first layers: \'{"method": "draft_model", '
+                        '"num_speculative_tokens": 3, "num_draft_layers": 22}\' '
                         '(docs/speculative_decoding.md)')
 
 
