@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from test_tp_engine import _gone
 
 from minivllm import backend
 from minivllm.backend import COMPONENTS
@@ -36,14 +37,6 @@ def spec_with_ref_kernels() -> dict[str, str]:
     spec = {name: backend.resolve(name) for name in COMPONENTS}
     spec.update({n: "ref" for n, k in COMPONENTS.items() if k == "kernel"})
     return spec
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 # --------------------------------------------------------------------------
