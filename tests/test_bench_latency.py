@@ -29,9 +29,16 @@ def test_kernel_time_is_at_most_the_profiled_step(tiny_model_dir):
     assert 0 < per["kernel_leaves"] < kernels
 
 
-def test_bad_sizes_and_missing_quantization_are_refused(monkeypatch):
+def test_bad_sizes_are_refused():
     with pytest.raises(SystemExit, match="--output-len must be >= 1, got 0"):
         latency.main(["--output-len", "0"])
-    monkeypatch.setattr(latency, "quantization_supported", lambda: False)
-    with pytest.raises(SystemExit, match="quantization.*not available"):
-        latency.main(["--quantization", "int8"])
+
+
+def test_make_llm_quantizes_the_projections(tiny_model_dir):
+    from minivllm.model.quantization import QuantizedWeight
+
+    llm = latency.make_llm(str(tiny_model_dir("llama")), "float32", "int8", device="cpu")
+    model = llm.llm_engine.executor.worker.model
+    weights = [m.weight for m in model.modules() if hasattr(m, "weight")]
+    assert any(isinstance(w, QuantizedWeight) for w in weights)
+    llm.shutdown()

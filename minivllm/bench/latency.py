@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import random
@@ -75,23 +74,11 @@ class StepTimes:
         return sum(self.decode_steps_s)
 
 
-def quantization_supported() -> bool:
-    """Whether this minivllm's ``LLM`` takes ``quantization=``."""
-    from minivllm import LLM
-
-    return "quantization" in inspect.signature(LLM.__init__).parameters
-
-
 def make_llm(model: str, dtype: str, quantization: str | None = None, **kw):
-    """``LLM(model, dtype=..., quantization=...)``; a clear error where quantization is missing."""
+    """``LLM(model, dtype=..., quantization=...)``."""
     from minivllm import LLM
 
-    if quantization is not None:
-        if not quantization_supported():
-            raise SystemExit(f"--quantization {quantization}: LLM(..., quantization=) is not "
-                             "available in this minivllm yet")
-        kw["quantization"] = quantization
-    return LLM(model, dtype=dtype, **kw)
+    return LLM(model, dtype=dtype, quantization=quantization, **kw)
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -267,9 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.quantization and not quantization_supported():
-        raise SystemExit("--quantization: LLM(..., quantization=) is not available in this "
-                         "minivllm yet")
 
     if args.speculative_config is not None:
         from minivllm.bench import spec_latency

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- the comparison
 
 #: minivllm setting -> the llama.cpp format holding the same weights.
-MATCHING = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+MATCHING = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "gguf": "Q4_1"}
 
 
 def _minivllm_rows(args, settings: list[tuple[str, str | None]], batch_sizes: list[int]):
@@ -301,8 +301,6 @@ def _minivllm_rows(args, settings: list[tuple[str, str | None]], batch_sizes: li
 
 def compare(args, model_dir: Path) -> int:
     """``minivllm bench throughput --compare llamacpp``: both engines, ratios, one run."""
-    from minivllm.bench.latency import quantization_supported
-
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     for tool in ("llama-batched-bench", "llama-bench"):  # fail now, before the long runs
@@ -314,11 +312,7 @@ def compare(args, model_dir: Path) -> int:
         else {"Q4_1": source}
     settings = [(d, None) for d in args.dtypes.split(",") if d]
     quants = [q for q in (args.quantization or "").split(",") if q]
-    if quants and not quantization_supported():
-        print("--quantization: LLM(..., quantization=) is not available in this minivllm yet; "
-              "measuring the dtypes only")
-        quants = []
-    settings += [("bfloat16", q) for q in quants]
+    settings += [("auto", q) for q in quants]  # activations in the default dtype, as a user runs it
     load_before = os.getloadavg()
 
     ours = _minivllm_rows(args, settings, batch_sizes)

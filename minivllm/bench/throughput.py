@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--formats", default="F32,BF16,Q8_0,Q4_1", help="llama.cpp GGUF formats")
     g.add_argument("--dtypes", default="float32,bfloat16", help="minivllm dtypes")
     g.add_argument("--quantization", default=None,
-                   help="minivllm weight quantizations too (int8,int4), if LLM has quantization=")
+                   help="minivllm weight quantizations too (int8,int4,gguf), if LLM has quantization=")
     g.add_argument("--batch-sizes", default="1,64")
     g.add_argument("--prompt-len", type=int, default=128)
     g.add_argument("--gen-len", type=int, default=64)
