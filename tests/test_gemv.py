@@ -99,12 +99,13 @@ def check_f32(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b=None) -> None
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("k,n", SHAPES + [(577, 1029)])
 def test_float32_weights_against_float64(k, n, act) -> None:
-    """Float32 weights: M = 1..17 (1 and 17 are F.linear's), K % 8 != 0, N % 4 != 0."""
+    """Float32 weights: M = 1..17 (17 is F.linear's), K % 8 != 0, N % 8 != 0."""
     g = torch.Generator().manual_seed(k * 17 + n)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
-    # F.linear (m = 1, 17) needs one dtype: bf16 activations only where the GEMV runs.
-    rows = range(1, fast_linear.GEMV_MAX_ROWS + 2) if act == torch.float32 else range(2, 17)
+    # F.linear (m = 17) needs one dtype: bf16 activations only where the GEMV runs.
+    top = fast_linear.GEMV_MAX_ROWS + (2 if act == torch.float32 else 1)
+    rows = range(1, top)
     for m in rows:
         x = torch.randn(m, k, generator=g).to(act)
         check_f32(fast_linear.linear(x, w), x, w)
@@ -121,20 +122,21 @@ def test_float32_tail_elements_count() -> None:
     for k in (1, 7, 9, 15, 17, 577):
         w = torch.zeros(5, k)
         w[:, -1] = torch.arange(1.0, 6.0)
-        x = torch.zeros(3, k)
-        x[:, -1] = 2.0
-        y = torch.empty(3, 5)
-        cpu_ops.ops().linear_small_m(y, x, w, None, False)
-        assert torch.equal(y, torch.tensor([[2.0, 4, 6, 8, 10]] * 3)), (k, y)
+        for m in (1, 3):  # the 1 x 8 block and the 2 x 4 block with an odd row
+            x = torch.zeros(m, k)
+            x[:, -1] = 2.0
+            y = torch.empty(m, 5)
+            cpu_ops.ops().linear_small_m(y, x, w, None, False)
+            assert torch.equal(y, torch.tensor([[2.0, 4, 6, 8, 10]] * m)), (k, m, y)
 
 
 def test_dispatch_rules() -> None:
-    """The GEMV serves few rows (float32 weights: from 2); everything else is F.linear's."""
+    """The GEMV serves 1 to 16 rows; everything else is F.linear's."""
     w16 = torch.zeros(8, 8, dtype=torch.bfloat16)
     assert fast_linear._gemv_applies(torch.zeros(1, 8), w16)
     assert fast_linear._gemv_applies(torch.zeros(16, 8), w16)
     assert not fast_linear._gemv_applies(torch.zeros(17, 8), w16)
-    assert not fast_linear._gemv_applies(torch.zeros(1, 8), w16.float())  # MKL's sgemv
+    assert fast_linear._gemv_applies(torch.zeros(1, 8), w16.float())
     assert fast_linear._gemv_applies(torch.zeros(2, 8), w16.float())
     assert fast_linear._gemv_applies(torch.zeros(4, 4, 8), w16.float())
     assert not fast_linear._gemv_applies(torch.zeros(17, 8), w16.float())

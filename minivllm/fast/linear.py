@@ -35,15 +35,14 @@ needed and every layer is a plain matmul / ``F.embedding``.
 
 The matmul itself is :func:`linear`: ``F.linear`` (oneDNN/MKL on a CPU,
 cuBLAS on CUDA), except for decode-shaped inputs on a CPU. With at most
-:data:`GEMV_MAX_ROWS` token rows and bf16 weights (float32 weights: 2 to
-:data:`GEMV_MAX_ROWS` rows), the C++ op ``torch.ops.minivllm.linear_small_m``
+:data:`GEMV_MAX_ROWS` token rows and bf16 or float32 weights, the C++ op ``torch.ops.minivllm.linear_small_m``
 (``csrc/gemv.cpp``) reads each weight row once at memory bandwidth and does
 all the rows' arithmetic while it sits in L1: AVX-512 BF16 dot products where
 the CPU has them, float32 FMAs elsewhere. A GEMM library tiles for a reuse
 that a few rows do not have: MKL's sgemm packs the whole float32 weight first,
-so 2 or 4 rows (a speculative-decoding verification) cost 2-3x one row. A
-single float32 row stays with MKL's sgemv, which already streams at about the
-op's speed (``docs/kernels.md`` has the numbers). The fused QKV and gate/up
+so 2 or 4 rows (a speculative-decoding verification) cost 2-3x one row, and
+for a single row MKL's sgemv reached only about 40% of two cores' read
+bandwidth (``docs/kernels.md`` has the numbers). The fused QKV and gate/up
 weights stay fused: one call streams the whole matrix.
 
 A layer learns its rank from :func:`minivllm.distributed.get_tp_rank` when it
@@ -84,15 +83,12 @@ SIMULATES_ALL_RANKS = False
 
 #: Token rows up to which a linear on a CPU runs the C++ GEMV (above: oneDNN/MKL).
 GEMV_MAX_ROWS = 16
-#: Fewest rows for which float32 weights take the GEMV: one row is MKL's sgemv, as fast.
-GEMV_MIN_ROWS_F32 = 2
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True if ``linear(x, weight)`` should run the C++ small-M kernel.
 
-    bf16 weights: 1 to :data:`GEMV_MAX_ROWS` rows; float32 weights:
-    :data:`GEMV_MIN_ROWS_F32` to :data:`GEMV_MAX_ROWS` rows.
+    bf16 or float32 weights, 1 to :data:`GEMV_MAX_ROWS` rows.
     """
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return False
@@ -101,8 +97,7 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling():
         return False
     rows = x.numel() // max(1, weight.shape[1])
-    fewest = GEMV_MIN_ROWS_F32 if weight.dtype == torch.float32 else 1
-    if not fewest <= rows <= GEMV_MAX_ROWS:
+    if not 1 <= rows <= GEMV_MAX_ROWS:
         return False
     from minivllm.fast import cpu_ops
 

@@ -17,11 +17,12 @@
 //   (x = hi + lo, hi = bf16(x), lo = bf16(x - hi)) and both are multiplied,
 //   which keeps ~16 significant bits of x, for twice the (cheap) arithmetic.
 // - Float32 weights, and bf16 ones elsewhere (or with portable=true), take a
-//   plain loop: bf16 weights are widened to float32 (a 16-bit shift), and an
-//   MR x NB block of 8-lane partial sums is accumulated with fused multiply-adds
-//   the compiler vectorises (AVX2/FMA, NEON); activations stay float32. For
-//   float32 weights this beats MKL's sgemm from 2 rows up, which packs the
-//   whole weight matrix first (see docs/kernels.md for the numbers).
+//   plain loop: bf16 weights are widened to float32 in registers (a 16-bit
+//   shift), and a 2 x 4 (or, for one row, 1 x 8) block of 8-lane partial sums
+//   is accumulated with fused multiply-adds the compiler vectorises (AVX2/FMA,
+//   NEON); activations stay float32. For float32 weights this beats MKL, whose
+//   sgemm packs the whole weight matrix first (2 rows and up) and whose sgemv
+//   (1 row) does not keep two cores streaming (docs/kernels.md has the numbers).
 // - K tails (K % 32 on the BF16 path) are masked loads, never reads past a row;
 //   the portable path's K % 8 tail is a scalar loop.
 // - Output features are split over threads with at::parallel_for.
@@ -32,8 +33,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define MINIVLLM_HAVE_AVX512BF16 1
 #else
 #define MINIVLLM_HAVE_AVX512BF16 0
@@ -54,39 +57,68 @@ inline float bf16_bits_to_float(uint16_t b) {
 }
 
 // --------------------------------------------------------------------------- portable path
-// The portable register block: MR input rows x NB weight rows x VL lanes of
-// partial sums, 2 x 4 x 8 = 8 vectors of 8 floats. AVX2 has 16 vector
-// registers; the 4 weight vectors and one activation vector need room too, so
-// the AVX-512 path's MB = 4 rows would spill. Each k step loads MR + NB
-// vectors for MR * NB FMAs, and 8 independent accumulators hide the FMA latency.
-constexpr int64_t MR = 2;
+// Two register blocks, both of 8 vectors of 8-lane partial sums:
+// - 2 input rows x 4 weight rows (2 rows or more): each k step loads 2 + 4
+//   vectors for 8 FMAs.
+// - 1 input row x 8 weight rows (a single row, and the last row of an odd M):
+//   each k step loads 1 + 8 vectors for 8 FMAs. Padding one row to two would
+//   do the same loads for twice the FMAs; measured on a 2-core EPYC, that cost
+//   about a third of the bandwidth at M = 1.
+// AVX2 has 16 vector registers: 8 accumulators plus the loaded vectors fit,
+// and 8 independent accumulators hide the FMA latency.
 constexpr int VL = 8;
+constexpr int64_t MR = 2;   // input rows of the 2 x 4 block
+constexpr int64_t NB1 = 8;  // weight rows of the 1 x 8 block
 
 // VL floats as one value: GCC/Clang's vector extension, portable C++ to every
 // target they support (AVX2 ymm here, NEON pairs on ARM). Written as a plain
 // float acc[MR][NB][VL] array, GCC kept the accumulators in memory, not registers.
 typedef float vecf __attribute__((vector_size(VL * sizeof(float))));
+typedef uint16_t vecu16 __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef uint32_t vecu32 __attribute__((vector_size(VL * sizeof(uint32_t))));
+
 inline vecf load_vecf(const float* p) {  // an unaligned load
   vecf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-
-// out[i][j] = x_i . w_j for MR activation rows and NB weight rows, all float32.
-inline void dot_block(const float* const* xr, const float* const* wr, int64_t K,
-                      float out[MR][NB]) {
-  vecf acc[MR][NB] = {};
+// VL bf16 weights widened to float32 in registers: zero-extend, shift into the top half.
+// With AVX2 that is one vpmovzxwd from memory and one shift; GCC's generic code for
+// the same vector-extension line zero-extends in two halves and re-joins them.
+inline vecf load_vecf(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<vecf>(_mm256_castsi256_ps(u));
+#else
+  vecu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vecu32 u = __builtin_convertvector(h, vecu32) << 16;
+  vecf v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+// out[i][j] = x_i . w_j for R activation rows and C weight rows, all float32, with
+// R x C vectors of partial sums.
+// noinline: inlined into the thread lambda, GCC stored every accumulator to the
+// stack on each k step (and left one FMA uncontracted); as its own function the
+// loop is loads and FMAs only. One call per block of rows costs nothing.
+template <int64_t R, int64_t C>
+__attribute__((noinline)) void dot_block(const float* const* xr, const float* const* wr,
+                                         int64_t K, float out[R][C]) {
+  vecf acc[R][C] = {};
   int64_t k = 0;
   for (; k + VL <= K; k += VL) {
-    vecf wv[NB];
-    for (int64_t j = 0; j < NB; ++j) wv[j] = load_vecf(wr[j] + k);
-    for (int64_t i = 0; i < MR; ++i) {
-      const vecf xv = load_vecf(xr[i] + k);
-      for (int64_t j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];  // contracted to FMAs
+    vecf xv[R];
+    for (int64_t i = 0; i < R; ++i) xv[i] = load_vecf(xr[i] + k);
+    for (int64_t j = 0; j < C; ++j) {
+      const vecf wv = load_vecf(wr[j] + k);
+      for (int64_t i = 0; i < R; ++i) acc[i][j] += xv[i] * wv;  // contracted to FMAs
     }
   }
-  for (int64_t i = 0; i < MR; ++i) {
-    for (int64_t j = 0; j < NB; ++j) {
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t j = 0; j < C; ++j) {
       float tail = 0.f;  // the K % VL last elements
       for (int64_t t = k; t < K; ++t) tail += xr[i][t] * wr[j][t];
       const vecf a = acc[i][j];
@@ -95,37 +127,68 @@ inline void dot_block(const float* const* xr, const float* const* wr, int64_t K,
   }
 }
 
-// Weight row r as float32: a float32 weight is used in place; a bf16 one is
-// widened into `buf` (K floats, a 16-bit shift each) while it streams in.
-inline const float* weight_row(const float* w, int64_t r, int64_t K, float*) { return w + r * K; }
-inline const float* weight_row(const uint16_t* w, int64_t r, int64_t K, float* buf) {
-  const uint16_t* src = w + r * K;
-  for (int64_t k = 0; k < K; ++k) buf[k] = bf16_bits_to_float(src[k]);
-  return buf;
+// Weight rows [n, n + nb) as float32 row pointers, a short block repeating its last
+// row: float32 weights in place; bf16 ones widened into `buf` (C x K floats, in L1)
+// one row after another. Widening in the dot product's loop instead reads C rows
+// side by side: with bf16's 1152-byte rows that measured 25% slower than this
+// front-to-back read, which the hardware prefetcher follows best.
+template <int64_t C>
+inline void weight_rows(const float* w, int64_t n, int64_t nb, int64_t K, float*,
+                        const float* wr[C]) {
+  for (int64_t j = 0; j < C; ++j) wr[j] = w + (n + std::min(j, nb - 1)) * K;
+}
+template <int64_t C>
+inline void weight_rows(const uint16_t* w, int64_t n, int64_t nb, int64_t K, float* buf,
+                        const float* wr[C]) {
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint16_t* src = w + (n + j) * K;
+    float* dst = buf + j * K;
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+      const vecf v = load_vecf(src + k);
+      std::memcpy(dst + k, &v, sizeof(v));
+    }
+    for (; k < K; ++k) dst[k] = bf16_bits_to_float(src[k]);
+    wr[j] = dst;
+  }
+  for (int64_t j = nb; j < C; ++j) wr[j] = wr[nb - 1];
 }
 
-// out[m][n] = sum_k x[m][k] * w[n][k] for n in [n0, n1): x is float32 rows (K floats
-// each); W is float (float32 weights) or uint16_t (bf16 bits). Each NB-block of weight
-// rows is read from memory once and then from L1 for every MR-block of input rows.
-template <typename W>
-void gemv_portable(const float* x, int64_t M, int64_t K, const W* w,
-                   float* out, int64_t n0, int64_t n1) {
-  std::vector<float> wf(std::is_same_v<W, float> ? 0 : NB * K);  // bf16 rows, widened
+// out[m][n] = sum_k x[m][k] * w[n][k] for n in [n0, n1) (out is M x (n1 - n0)), with
+// weight blocks of C rows: each block is read from memory once, then from L1 by
+// every block of input rows (R x C register blocks, R = 2, and R = 1 for the last
+// row of an odd M).
+template <int64_t C, typename W>
+void gemv_rows(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t n0,
+               int64_t n1) {
+  std::vector<float> buf(std::is_same_v<W, float> ? 0 : C * K);  // bf16 rows, widened
   const int64_t width = n1 - n0;
-  for (int64_t n = n0; n < n1; n += NB) {
-    const int64_t nb = std::min(NB, n1 - n);
-    const float* wr[NB];
-    for (int64_t j = 0; j < NB; ++j)  // pad a short block by repeating its last row
-      wr[j] = j < nb ? weight_row(w, n + j, K, wf.data() + j * K) : wr[nb - 1];
+  for (int64_t n = n0; n < n1; n += C) {
+    const int64_t nb = std::min(C, n1 - n);
+    const float* wr[C];
+    weight_rows<C>(w, n, nb, K, buf.data(), wr);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int64_t mr = std::min(MR, M - m0);
-      const float* xr[MR];
-      for (int64_t i = 0; i < MR; ++i) xr[i] = x + (m0 + std::min(i, mr - 1)) * K;
-      float r[MR][NB];
-      dot_block(xr, wr, K, r);
-      for (int64_t i = 0; i < mr; ++i)
+      const float* xr[MR] = {x + m0 * K, x + std::min(m0 + 1, M - 1) * K};
+      float r[MR][C];
+      if (m0 + 1 < M) {
+        dot_block<MR, C>(xr, wr, K, r);
+      } else {
+        dot_block<1, C>(xr, wr, K, r);
+      }
+      for (int64_t i = 0; i < std::min(MR, M - m0); ++i)
         for (int64_t j = 0; j < nb; ++j) out[(m0 + i) * width + (n - n0) + j] = r[i][j];
     }
+  }
+}
+
+// The portable GEMV: one input row takes 1 x 8 blocks, more rows 2 x 4 blocks.
+template <typename W>
+void gemv_portable(const float* x, int64_t M, int64_t K, const W* w, float* out, int64_t n0,
+                   int64_t n1) {
+  if (M == 1) {
+    gemv_rows<NB1>(x, M, K, w, out, n0, n1);
+  } else {
+    gemv_rows<NB>(x, M, K, w, out, n0, n1);
   }
 }
 
@@ -241,11 +304,13 @@ void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& 
     }
   }
 
-  // Threads take whole NB-blocks of output features; a small layer stays on one thread.
-  const int64_t blocks = (N + NB - 1) / NB;
-  const int64_t grain = grain_for(NB * K);
+  // Threads take whole blocks of NB1 (a multiple of NB) output features; a small
+  // layer stays on one thread.
+  static_assert(NB1 % NB == 0, "a thread's share must hold whole blocks of both sizes");
+  const int64_t blocks = (N + NB1 - 1) / NB1;
+  const int64_t grain = grain_for(NB1 * K);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * NB, n1 = std::min(N, b1 * NB);
+    const int64_t n0 = b0 * NB1, n1 = std::min(N, b1 * NB1);
     std::vector<float> y(M * (n1 - n0));  // this thread's columns, M x (n1 - n0)
     if (w_f32) {
       gemv_portable(xf.data(), M, K, weight.data_ptr<float>(), y.data(), n0, n1);
