@@ -20,7 +20,7 @@ EXAMPLES = """examples:
     minivllm bench throughput [--compare hf]           # offline throughput benchmark
     minivllm bench latency [--dtype float32 bfloat16]  # batch-1 TTFT, decode ms/token
     minivllm bench throughput --compare llamacpp       # vs llama.cpp's batched engine
-    minivllm bench host | kernels | tp | pp            # component benchmarks
+    minivllm bench host | kernels | prefill | tp | pp  # component benchmarks
     minivllm download smollm2                          # fetch + convert the default model
     torchrun --nproc-per-node 3 -m minivllm generate -tp 3 "Hi"  # ranks from torchrun
     minivllm course make-student hw | grade | selfcheck  # course kit (minivllm course --help)
@@ -310,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level; 'info' logs every request")
     _engine_args(p)
 
-    p = sub.add_parser("bench", help="benchmarks: latency, throughput, serve, host, kernels, tp, pp, llamacpp",
-                       add_help=False)
-    p.add_argument("name", choices=["throughput", "serve", "host", "kernels", "tp", "pp"],
+    from minivllm.bench.__main__ import available as benchmarks
+
+    p = sub.add_parser("bench", help="benchmarks: " + ", ".join(benchmarks()), add_help=False)
+    p.add_argument("name", choices=benchmarks(),
                    help="which benchmark; pass --help after the name for its options")
 
     sub.add_parser("course", add_help=False,

@@ -18,6 +18,15 @@ def test_help_lists_the_commands(capsys) -> None:
         assert cmd in out
 
 
+@pytest.mark.parametrize("name", ["latency", "throughput", "kernels", "prefill", "llamacpp"])
+def test_every_documented_benchmark_is_a_bench_choice(name, capsys) -> None:
+    """``minivllm bench NAME --help`` reaches NAME's own parser (the CLI once refused latency)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    assert e.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
 def test_generate_prints_text_and_throughput(tiny_model_dir, capsys) -> None:
     model = str(tiny_model_dir("llama"))
     assert main(["generate", "hello", "--model", model, "--device", "cpu", "--max-tokens", "4",
