@@ -315,3 +315,26 @@ def test_a_failed_build_falls_back_to_ref_with_one_warning():
                          check=True).stdout.splitlines()  # fmt: skip
     assert all(m.startswith("minivllm.ref.") for m in eval(out[0])), out[0]
     assert out[1] == "1", out
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_one_is_kept(tmp_path):
+    """torch waits forever on a leftover ``lock``: an old one goes, a fresh one stays."""
+    import os
+    import time
+
+    from minivllm.fast.cpu_ops import STALE_LOCK_SECONDS, clear_stale_lock
+
+    lock, obj = tmp_path / "lock", tmp_path / "gemv.o"
+    lock.touch()
+    obj.touch()
+    now = time.time()
+    assert not clear_stale_lock(tmp_path, now)  # a build that is writing right now
+    assert lock.exists()
+    old = now - STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    assert not clear_stale_lock(tmp_path, now)  # the lock is old, but an object file is new
+    os.utime(obj, (old, old))
+    assert clear_stale_lock(tmp_path, now)
+    assert not lock.exists()
+    assert not clear_stale_lock(tmp_path, now)  # nothing left to clear
+    assert not clear_stale_lock(tmp_path / "missing", now)

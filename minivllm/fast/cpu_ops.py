@@ -89,6 +89,33 @@ def _is_built(build_dir: Path) -> bool:
     return min(lib.stat().st_mtime for lib in libs) >= newest_source
 
 
+#: A build lock untouched this long, in a folder untouched this long, is a killed build's.
+STALE_LOCK_SECONDS = 600
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove ``build_dir/lock`` if a killed build left it; True if it did.
+
+    torch's extension loader takes a ``lock`` file while it builds and waits,
+    silently and forever, while that file exists. A build killed part-way
+    (Ctrl-C, a timeout) leaves it behind, and every later process hangs. A live
+    build writes its object files as it goes, so a lock that is, with every
+    file beside it, older than :data:`STALE_LOCK_SECONDS` has no builder left.
+    """
+    lock = build_dir / "lock"
+    now = time.time() if now is None else now
+    try:
+        newest = max(f.stat().st_mtime for f in build_dir.iterdir())
+    except (FileNotFoundError, ValueError):  # no folder, or an empty one
+        return False
+    if not lock.exists() or now - newest < STALE_LOCK_SECONDS:
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"minivllm: removed {lock}, left by a build that was stopped "
+          f"{(now - newest) / 60:.0f} min ago", file=sys.stderr, flush=True)
+    return True
+
+
 @functools.cache
 def build() -> tuple[str | None, str | None]:
     """Build (once per machine) and load the C++ ops: ``(library path, None)`` or ``(None, why)``.
@@ -103,6 +130,7 @@ def build() -> tuple[str | None, str | None]:
         from torch.utils.cpp_extension import load as cpp_load
 
         build_dir = build_directory()
+        clear_stale_lock(build_dir)
         fresh = not _is_built(build_dir)
         start = time.perf_counter()
         path = cpp_load(
