@@ -90,3 +90,47 @@ def test_fast_path_steps_aside_while_a_profiler_records(tiny_model_dir, tmp_path
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
     assert len(calls) == 3
     assert torch.is_inference_mode_enabled() is False
+
+
+def _stack_calls(monkeypatch) -> list[int]:
+    """Rows of every step the C++ layer stack runs from now on."""
+    from minivllm.engine.cpu_layer_stack import LayerStack
+
+    calls: list[int] = []
+    run = LayerStack.run
+    monkeypatch.setattr(LayerStack, "run",
+                        lambda self, hidden, *a: calls.append(hidden.shape[0]) or run(self, hidden, *a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype,quantization", [
+    ("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4"),
+    ("bfloat16", "int8"),
+])
+def test_cpp_layer_stack_gives_the_plain_paths_bits(tiny_model_dir, monkeypatch, dtype,
+                                                   quantization):
+    """Decode steps run the whole stack in one C++ call; prefills keep the Python loop.
+
+    Both must give the plain forward's tokens and logprobs exactly, for float and
+    quantized projections (a projection of the wrong kind, a skipped norm or the
+    rounding of a quantized output to bf16 done differently would show).
+    """
+    llm = LLM(str(tiny_model_dir("llama", num_hidden_layers=3)), backend="fast", dtype=dtype,
+              device="cpu", max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
+              quantization=quantization)
+    prompts = _prompts(5, llm.llm_engine.vocab_size, seed=7)
+    plain = _generate(llm, prompts, 10, fast=False)
+    calls = _stack_calls(monkeypatch)
+    fast = _generate(llm, prompts, 10, fast=True)
+    assert fast == plain
+    assert calls and max(calls) <= llm.llm_engine.executor.worker.cpu_fast_path.stack.max_rows
+
+
+def test_cpp_layer_stack_steps_aside_where_a_projection_is_not_a_plain_gemv(tiny_model_dir):
+    from minivllm.engine.cpu_layer_stack import LayerStack
+
+    llm = LLM(str(tiny_model_dir("qwen2", num_hidden_layers=2)), backend="fast",
+              dtype="float32", device="cpu")
+    worker = llm.llm_engine.executor.worker
+    assert worker.cpu_fast_path is not None and worker.cpu_fast_path.stack is None
+    assert "bias" in LayerStack.why_not(worker.model.model.layers, worker.kv_caches)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.engine.cpu_layer_stack import LayerStack
 from minivllm.metadata import ModelInput
 
 #: (module attribute holding the component, function name) -> the C++ op it must be.
@@ -145,6 +146,8 @@ class CPUFastPath:
              layer.mlp.gate_up_proj.forward, layer.mlp.down_proj.forward)
             for layer, (k_cache, v_cache) in zip(inner.layers, kv_caches)
         ]
+        # Decode steps (few rows) can run the whole loop in C++ (csrc/layer_stack.cpp).
+        self.stack = LayerStack.build(inner.layers, kv_caches)
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches) -> CPUFastPath | None:
@@ -174,6 +177,11 @@ class CPUFastPath:
 
         residual = self.embed(model_input.input_ids)  # (T, hidden): the residual stream
         hidden = torch.empty_like(residual)
+        if self.stack is not None and T <= self.stack.max_rows:  # a decode step: one C++ call
+            self.stack.run(hidden, residual, positions, slot_mapping, block_tables, seq_lens,
+                           query_start_loc, cos_sin, neox, H, H_kv, D, scale)
+            fused_add(hidden, residual, self.final_norm, self.eps)
+            return hidden
         attn_out = torch.empty(T, H, D, dtype=self.dtype)  # reused by every layer
         act = None
         for i, (w_in, eps_in, qkv_proj, k_cache, v_cache, o_proj, w_post, eps_post,

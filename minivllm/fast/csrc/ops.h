@@ -130,5 +130,12 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
 void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
 void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);
+void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
+                   at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
+                   at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, double scale);
 
 }  // namespace minivllm

@@ -35,6 +35,13 @@ TORCH_LIBRARY(minivllm, m) {
       "int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> ()");
   m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
   m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
+  // The whole decoder layer stack of a decode step (layer_stack.cpp).
+  m.def(
+      "decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "Tensor cos_sin_cache, bool is_neox, Tensor[] norms, float[] eps, Tensor[] weights, "
+      "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
+      "int num_kv_heads, int head_dim, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -49,4 +56,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("int4_linear", &minivllm::int4_linear);
   m.impl("dequantize_int8", &minivllm::dequantize_int8);
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
+  m.impl("decode_layers", &minivllm::decode_layers);
 }

@@ -1,0 +1,121 @@
+// The decoder's layer stack for a decode step, in one C++ call.
+//
+// At batch 1 a SmolLM2 decode step runs 30 layers of 10 kernels each, and most
+// kernels are microseconds of work. Calling them one by one from Python
+// (engine/cpu_fast_path.py's loop) costs a few microseconds each in the
+// interpreter and the dispatcher, which on a 30-layer model adds up to
+// milliseconds a step: more than the kernels of a small model. A GPU replays a
+// recorded CUDA graph to skip that; a CPU can simply run the same loop in C++.
+//
+// decode_layers is that loop, calling the very C++ functions the Python loop
+// calls through torch.ops (declared in ops.h), on the same inputs, in the same
+// order, so the result is bit for bit the Python loop's:
+//
+//   for each layer:
+//     hidden = rms_norm(residual)              (layer 0; later: residual += hidden first)
+//     qkv = hidden W_qkv^T ; rope(q, k) ; write k, v into the paged cache
+//     attn = paged_attention(q, cache) ; hidden = attn W_o^T
+//     residual += hidden ; hidden = rms_norm(residual)
+//     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
+//
+// A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4,
+// quant.cpp); the Python side (cpu_fast_path.py) calls this only where every
+// projection would take one of those ops anyway (few rows, no bias, one rank),
+// and passes which kind each one is. Buffers for q/k/v, the attention output,
+// gate/up and the activation are allocated once per call and reused by every
+// layer. The embedding lookup and the final norm stay in Python.
+#include "ops.h"
+
+#include <ATen/ops/empty.h>
+
+#include <optional>
+
+namespace minivllm {
+namespace {
+
+// Projection kinds, as cpu_fast_path.py numbers them.
+constexpr int64_t FLOAT_WEIGHT = 0;  // weight: (N, K) float32 / bf16
+constexpr int64_t INT8_WEIGHT = 1;   // qweight int8 (N, K), scales (N, G)
+constexpr int64_t INT4_WEIGHT = 2;   // qweight uint8 (N, K / 2), scales and mins (N, K / 32)
+constexpr int64_t TENSORS_PER_PROJECTION = 3;  // weight or qweight, scales, mins
+constexpr int64_t PROJECTIONS_PER_LAYER = 4;   // qkv, o, gate_up, down
+
+// y (M, N) = x (M, K) W^T through the op the Python path uses for a few rows. A
+// quantized op writes float32; like quantized_linear's .to(x.dtype), a bf16 y gets a
+// rounded copy.
+void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor* t) {
+  if (kind == FLOAT_WEIGHT) {
+    linear_small_m(y, x, t[0], std::nullopt, false);
+    return;
+  }
+  TORCH_CHECK(kind == INT8_WEIGHT || kind == INT4_WEIGHT, "decode_layers: unknown kind ", kind);
+  at::Tensor out =
+      y.scalar_type() == at::kFloat ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
+  if (kind == INT8_WEIGHT) {
+    int8_linear(out, x, t[0], t[1]);
+  } else {
+    int4_linear(out, x, t[0], t[1], t[2]);
+  }
+  if (!out.is_same(y)) y.copy_(out);
+}
+
+}  // namespace
+
+void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
+                   at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
+                   at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, double scale) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one V cache a layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L,
+              "decode_layers: norms and eps: 2 per layer (input, post-attention)");
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == PROJECTIONS_PER_LAYER * L &&
+                  static_cast<int64_t>(weights.size()) ==
+                      TENSORS_PER_PROJECTION * PROJECTIONS_PER_LAYER * L,
+              "decode_layers: 4 projections a layer, 3 tensors each");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.sizes() == residual.sizes() && hidden.is_contiguous() &&
+                  residual.is_contiguous(),
+              "decode_layers: hidden and residual: (T, hidden), contiguous");
+  const int64_t T = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const auto opts = hidden.options();
+  // Sizes from layer 0's weights (kind-aware: int4 packs two weights a byte).
+  auto out_features = [&](int64_t p) { return weights[TENSORS_PER_PROJECTION * p].size(0); };
+  const int64_t qkv_n = out_features(0), gate_up_n = out_features(2);
+  TORCH_CHECK(qkv_n == q_size + 2 * kv_size, "decode_layers: qkv weight has ", qkv_n,
+              " rows, expected (H + 2 H_kv) D = ", q_size + 2 * kv_size);
+  at::Tensor qkv = at::empty({T, qkv_n}, opts);
+  at::Tensor attn_out = at::empty({T, num_heads, head_dim}, opts);
+  at::Tensor gate_up = at::empty({T, gate_up_n}, opts);
+  at::Tensor act = at::empty({T, gate_up_n / 2}, opts);
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+  const at::Tensor attn_rows = attn_out.view({T, q_size});
+
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* w = weights.data() + TENSORS_PER_PROJECTION * PROJECTIONS_PER_LAYER * i;
+    const int64_t* kind = kinds.data() + PROJECTIONS_PER_LAYER * i;
+    if (i == 0) {  // the embeddings are the residual stream
+      rms_norm(hidden, residual, norms[0], eps[0]);
+    } else {  // residual += hidden; hidden = norm(residual), both in place
+      fused_add_rms_norm(hidden, residual, norms[2 * i], eps[2 * i]);
+    }
+    project(qkv, hidden, kind[0], w);
+    rotary_embedding(positions, q, k, cos_sin_cache, is_neox);
+    at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping);
+    paged_attention(attn_out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                    scale, /*gemm_prefill=*/true);
+    project(hidden, attn_rows, kind[1], w + TENSORS_PER_PROJECTION);
+    fused_add_rms_norm(hidden, residual, norms[2 * i + 1], eps[2 * i + 1]);
+    project(gate_up, hidden, kind[2], w + 2 * TENSORS_PER_PROJECTION);
+    silu_and_mul(act, gate_up);
+    project(hidden, act, kind[3], w + 3 * TENSORS_PER_PROJECTION);
+  }
+}
+
+}  // namespace minivllm
