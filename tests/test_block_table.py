@@ -86,6 +86,14 @@ def test_random_tables_and_slot_mapping(data, block_size: int, max_blocks: int) 
     assert got.dtype == torch.int64 and got.shape == (sum(counts),)
     assert got.tolist() == expected_slots
 
+    # A decode step: one token per request (the fast twin's own short path).
+    decoding = [r for r in req_ids if oracle[r]]
+    positions = [data.draw(st.integers(0, len(oracle[r]) * block_size - 1)) for r in decoding]
+    got = tables.slot_mapping(decoding, positions, [1] * len(decoding))
+    assert got.dtype == torch.int64 and got.shape == (len(decoding),)
+    assert got.tolist() == [oracle[r][p // block_size] * block_size + p % block_size
+                            for r, p in zip(decoding, positions)]
+
 
 def test_unused_entries_are_zero_after_row_reuse() -> None:
     tables = _impl()(1, 4, 2)

@@ -22,7 +22,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig, _require, cdiv
@@ -33,6 +32,7 @@ from minivllm.engine.executor import make_executor
 from minivllm.engine.launcher import check_executor_backend
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.pipeline import BatchQueue
+from minivllm.model.llama import op_range
 from minivllm.model.quantization import check_quantization
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 from minivllm.pp_stages import parse_partition
@@ -405,7 +405,7 @@ class LLMEngine:
         """
         if self.batch_queue is not None:
             return self.batch_queue.step_with_stats()
-        with record_function("schedule"):
+        with op_range("schedule"):
             scheduler_output = self.scheduler.schedule()
         decode_ids = self.decode_ids(scheduler_output)
         step = next(self._step_index)
@@ -471,14 +471,14 @@ class LLMEngine:
         every rank together) is fatal: it raises out of the step.
         """
         outputs, step_input, sampling_reqs = self.prepare_step(scheduler_output)
-        with record_function("forward"):
+        with op_range("forward"):
             logits = self.executor.execute_model(step_input)
         more, spec_stats = self._finish(scheduler_output, sampling_reqs, logits, step)
         return outputs + more, spec_stats
 
     def prepare_step(self, scheduler_output):
         """``(outputs of requests that failed, step input, requests to sample)``."""
-        with record_function("prepare_inputs"):
+        with op_range("prepare_inputs"):
             step_input, sampling_reqs, failed = self.runner.prepare_inputs(scheduler_output)
         by_id = {r.request_id: r for r in scheduler_output.scheduled_requests}
         outputs = [self._fail(by_id[rid], e) for rid, e in failed.items()]
@@ -500,7 +500,7 @@ class LLMEngine:
         spec_stats = SpecStats()
         if logits is None:
             return outputs, spec_stats  # only block-table changes (or nothing left) this step
-        with record_function("sample"):
+        with op_range("sample"):
             # A step of prefill chunks alone samples nothing, but still advances them.
             if not sampling_reqs:
                 rows = []
@@ -517,10 +517,10 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         # What the scheduler kept: a stop inside an accepted run drops the rest.
         rows = [(r, r.output_token_ids[num_before[r.request_id]:], lp) for r, _, lp in rows]
-        with record_function("detokenize"):
+        with op_range("detokenize"):
             outputs += self._make_outputs(rows, finished)
         if self.spec is not None:
-            with record_function("propose"):
+            with op_range("propose"):
                 self.spec.propose(self.scheduler.running, step + 1)
         return outputs, spec_stats
 

@@ -32,9 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from torch.profiler import record_function
-
 from minivllm.metadata import SchedulerOutput
+from minivllm.model.llama import op_range
 from minivllm.outputs import RequestOutput, StepStats
 
 
@@ -111,7 +110,7 @@ class BatchQueue:
         outputs: list[RequestOutput] = []
         sent = None
         if len(self.queue) < self.max_concurrent_batches:
-            with record_function("schedule"):
+            with op_range("schedule"):
                 scheduler_output = schedule_excluding(engine.scheduler, self.in_flight_ids())
             decode_ids = engine.decode_ids(scheduler_output)
             if not scheduler_output.is_empty or scheduler_output.removed_req_ids:
@@ -129,7 +128,7 @@ class BatchQueue:
         """Build the batch and send it into the pipeline; outputs of requests that failed."""
         engine = self.engine
         outputs, step_input, sampling_reqs = engine.prepare_step(scheduler_output)
-        with record_function("forward"):
+        with op_range("forward"):
             pending = engine.executor.execute_model(step_input, non_block=True)
         if pending.done:  # nothing to compute (only block-table changes): done already
             outputs += engine.finish_step(scheduler_output, sampling_reqs, pending.result())
@@ -140,7 +139,7 @@ class BatchQueue:
     def _finish_oldest(self) -> list[RequestOutput]:
         """Wait for the oldest batch's logits; sample, update the scheduler, detokenize."""
         item = self.queue[0]
-        with record_function("forward"):
+        with op_range("forward"):
             logits = item.pending.result()
         self.queue.popleft()
         return self.engine.finish_step(item.scheduler_output, item.sampling_reqs, logits)

@@ -134,6 +134,12 @@ class BlockTables:
                     f"[0, {self._num_blocks[row] * bs}) (its {self._num_blocks[row]} blocks)"
                 )
         total = sum(num_tokens)
+        if self._table_dev is self._table_cpu and all(n == 1 for n in num_tokens):  # decode
+            # Plain integer arithmetic per token: a batch-1 decode step is one lookup,
+            # and six small tensor ops cost more than it does.
+            table = self._table_np
+            return torch.tensor([int(table[row, pos // bs]) * bs + pos % bs
+                                 for row, pos in zip(rows, start_positions)], dtype=torch.int64)
         dev = self.device
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # (R,)
         starts = torch.tensor(start_positions, dtype=torch.int64, device=dev)  # (R,)
