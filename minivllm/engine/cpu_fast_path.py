@@ -26,6 +26,10 @@ layers. The linear layers are called through their own ``forward`` (without
 ``__call__``), so whatever twin serves ``linear`` (the bf16 GEMV, quantized
 weights, tensor-parallel shards) runs unchanged.
 
+A decode step (few rows) goes one step further: the same loop, written in
+C++, runs every layer in one call (:mod:`minivllm.engine.cpu_layer_stack`),
+where every projection is a GEMV anyway; a prefill keeps the Python loop.
+
 It calls the same ops on the same inputs in the same order as the plain
 forward, so its output is bit for bit the plain path's
 (``tests/test_cpu_fast_path.py`` checks tokens and hidden states). The plain
