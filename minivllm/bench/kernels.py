@@ -297,8 +297,7 @@ def bench_gemv(read_bw: float, shapes: dict) -> list[dict]:
     """The decode-shaped linear on a CPU: the C++ GEMV against F.linear (oneDNN/MKL).
 
     Rows: bf16 weights at M = 1, float32 weights at M = 1 and at M = 4 (a
-    speculative-decoding verification of 3 drafted tokens). At M = 1 float32
-    ``linear()`` itself stays on MKL's sgemv, so that row calls the op directly.
+    speculative-decoding verification of 3 drafted tokens).
     """
     import torch.nn.functional as F
 
