@@ -105,7 +105,7 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           portable: bool = False) -> torch.Tensor:
+           portable: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, ``(..., K) -> (..., N)``: ``F.linear``, or the GEMV for few rows.
 
     On a CPU with few rows (see :func:`_gemv_applies`: bf16 or float32 weights,
@@ -113,12 +113,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``torch.ops.minivllm.linear_small_m`` (float32 accumulation; the output has
     ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
+    ``packed`` is :func:`prepack`'s copy of ``weight``: more rows than the GEMV
+    takes then run oneDNN's GEMM on it.
     A :class:`~minivllm.ref.quantization.QuantizedWeight` multiplies through the
     quantization component it was made with.
     """
     if isinstance(weight, QuantizedWeight):
         return weight.linear(x, bias)
     if not _gemv_applies(x, weight):
+        if packed is not None and x.dtype == weight.dtype and not torch.compiler.is_compiling():
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias,
+                                                   "none", [], "")
+            return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     from minivllm.fast import cpu_ops
 
@@ -129,6 +135,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cpu_ops.ops().linear_small_m(out, rows, weight.contiguous(),
                                  None if bias is None else bias.contiguous(), portable)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def prepack(weight) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float CPU weight, for :func:`linear`'s GEMM; else None.
+
+    A GEMM library reorders the weight into its blocked layout on every call; with
+    a decode batch (64 rows x SmolLM2's 576 features) that reorder is a large part
+    of the call. Done once at load it is not repeated (vLLM's CPU backend prepacks
+    its oneDNN weights the same way), at the cost of a second copy of each float
+    weight: the small-M GEMV reads the plain one. ``$MINIVLLM_PREPACK=0`` turns it
+    off; quantized weights, CUDA and a torch without oneDNN are never packed.
+    """
+    import os
+
+    if (os.environ.get("MINIVLLM_PREPACK", "1") == "0" or not isinstance(weight, torch.Tensor)
+            or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None  # oneDNN's bf16 GEMM needs AVX-512 (or AVX-NE-CONVERT)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+class _Prepacked:
+    """A layer whose float weight :func:`prepack` copies once its weights are loaded."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Called by the loader after every weight is loaded (and quantized)."""
+        self.packed_weight = prepack(self.weight)
 
 
 def _this_rank(tp_size: int) -> int:
@@ -143,7 +181,7 @@ def _this_rank(tp_size: int) -> int:
     return distributed.get_tp_rank()
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Prepacked, nn.Module):
     """``y = x W^T + b``; this rank holds ``output_size / tp_size`` rows of ``W``.
 
     Shapes: ``weight (output_size / tp_size, input_size)``, ``bias (output_size / tp_size,)``.
@@ -180,7 +218,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out / tp)
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, packed=self.packed_weight)
         if self.gather_output:
             y = distributed.tensor_model_parallel_all_gather(y, dim=-1)  # (T, out)
         return y
@@ -261,7 +299,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data[offset : offset + rows].copy_(loaded_weight.narrow(0, start, rows))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Prepacked, nn.Module):
     """``y = all_reduce(x_r W_r^T) + b``; this rank holds ``input_size / tp_size`` columns.
 
     Shapes: ``weight (output_size, input_size / tp_size)``, ``bias (output_size,)``
@@ -301,7 +339,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:  # a full input: take this rank's features
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
-        y = linear(x, self.weight)  # (T, out): this rank's partial sum
+        y = linear(x, self.weight, packed=self.packed_weight)  # (T, out): this rank's partial sum
         y = distributed.tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
@@ -351,7 +389,7 @@ class VocabParallelEmbedding(nn.Module):
         return distributed.tensor_model_parallel_all_reduce(e)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(_Prepacked, VocabParallelEmbedding):
     """Vocabulary logits; this rank computes its ``V_r`` columns, gathered to rank 0.
 
     ``forward``: ``(T, dim) -> (T, vocab)`` on rank 0 (padding cut off), None
@@ -378,7 +416,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (T, dim) -> (T, vocab)
-        logits = linear(hidden, self.weight, self.bias)  # (T, V_r)
+        logits = linear(hidden, self.weight, self.bias, packed=self.packed_weight)  # (T, V_r)
         logits = distributed.tensor_model_parallel_gather(logits, dst=0, dim=-1)
         if logits is None:  # not rank 0
             return None

@@ -188,4 +188,8 @@ def load_model(
 
         ops = backend.as_components(components).quantization
         quantize_model(module, quantization, ops, gguf_path)
+    for m in module.modules():  # vLLM's hook: repack weights once they are final
+        hook = getattr(m, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return module, hf_config, tokenizer
