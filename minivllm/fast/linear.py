@@ -165,7 +165,11 @@ class _Prepacked:
     packed_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Called by the loader after every weight is loaded (and quantized)."""
+        """Called by the loader after every weight is loaded (and quantized).
+
+        The weights are final from here: whoever changes ``weight`` later calls
+        this again, or the GEMM keeps multiplying by the old packed copy.
+        """
         self.packed_weight = prepack(self.weight)
 
 
