@@ -91,11 +91,12 @@ SIMULATES_ALL_RANKS = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           portable: bool = False) -> torch.Tensor:
+           portable: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, ``(..., K) -> (..., N)``: the textbook matmul.
 
-    The fast twin runs a C++ GEMV here for decode-shaped inputs on a CPU;
-    ``portable`` selects that kernel's fallback path and means nothing here.
+    The fast twin runs a C++ GEMV here for decode-shaped inputs on a CPU, and a
+    GEMM on a prepacked copy of the weight for more rows; ``portable`` and
+    ``packed`` select those and mean nothing here.
     A quantized weight multiplies through its quantization component.
     """
     if not isinstance(weight, torch.Tensor):
@@ -104,7 +105,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
-class ColumnParallelLinear(nn.Module):
+class _Loaded:
+    """The loader's hook after every weight is loaded: the textbook layer keeps its weight.
+
+    (The fast twin's layers repack their float weights for the CPU GEMM here.)
+    """
+
+    def process_weights_after_loading(self) -> None:
+        """Nothing to do: the layer multiplies by its weight as loaded."""
+
+
+class ColumnParallelLinear(_Loaded, nn.Module):
     """``y = x W^T + b`` with ``W``'s output rows split across ranks.
 
     Args:
@@ -302,7 +313,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 # --------------------------------------------------------------------------
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Loaded, nn.Module):
     """``y = x W^T + b`` with ``W``'s input columns split across ranks.
 
     Rank ``r`` multiplies its slice of the input features by its slice of
@@ -412,7 +423,7 @@ class VocabParallelEmbedding(nn.Module):
         # END SOLUTION
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(_Loaded, VocabParallelEmbedding):
     """The projection from hidden states to vocabulary logits, vocabulary split across ranks.
 
     Each rank computes the logits of its own vocabulary slice; a *gather* to
