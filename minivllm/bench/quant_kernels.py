@@ -73,16 +73,18 @@ def bench_quant_gemv(read_bw: float, shapes=SHAPES, methods=("int8", "int4"),
     return rows
 
 
-def main() -> None:
-    """``python -m minivllm.bench.quant_kernels``: only these rows, printed."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m minivllm.bench quant_kernels [--threads T] [--m M]``: only these rows."""
     import argparse
 
     from minivllm.bench.kernels import read_bandwidth
 
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m minivllm.bench quant_kernels",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--m", type=int, default=1, help="token rows (default 1)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     bw = read_bandwidth("cpu", 2**28)
@@ -90,7 +92,8 @@ def main() -> None:
     for r in bench_quant_gemv(bw, m=args.m):
         print(f"{r['kernel']:<22}{r['shape']:<22}{r['ref_ms']:>9.3f} ms ref{r['fast_ms']:>9.4f} ms"
               f"{r['fast_GBps'] / 1e9:>7.1f} GB/s  {r['note']}; max err {r['max_abs_err']:.2g}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
