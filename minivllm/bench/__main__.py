@@ -1,6 +1,7 @@
 """``python -m minivllm.bench NAME [options]``: run ``minivllm.bench.NAME.main(options)``.
 
-Benchmarks: ``latency`` (batch-1 TTFT and decode ms per token, host overhead),
+Benchmarks: ``latency`` (batch-1 TTFT and decode ms per token, host overhead), ``quant_kernels``
+(the int8 / int4 decode GEMVs against the read bandwidth),
 ``throughput`` (end to end, offline; ``--compare hf|llamacpp``), ``serve`` (online, against
 the HTTP server), ``host`` (allocator, block tables,
 scheduler), ``kernels`` (Triton vs ref), ``prefill`` (long prompts on a CPU: the GEMM-shaped

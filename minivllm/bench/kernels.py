@@ -18,6 +18,8 @@ one token row in bf16 and float32, and 4 rows in float32) is timed against
 ``F.linear`` (oneDNN/MKL) in the ref's column, and its GB/s (weight
 bytes / time) against the *read* bandwidth measured in the same run (a
 ``sum`` over 256 MiB of float32, bytes read / time), because a GEMV only reads.
+The quantized GEMVs (int8, int4; M = 1 on SmolLM2's four projection shapes,
+cold weights) are :mod:`minivllm.bench.quant_kernels`'s rows.
 
 On a CUDA device it times the Triton twin on production-like shapes
 (``triton.testing.do_bench`` medians) and reports:
@@ -363,6 +365,9 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
     ]  # fmt: skip
     if "gemv" in shapes and not package:  # the CPU's decode-shaped linear
         cases.append(("gemv", lambda: bench_gemv(read_bw, shapes)))
+        from minivllm.bench.quant_kernels import bench_quant_gemv
+
+        cases.append(("quant_gemv", lambda: bench_quant_gemv(read_bw)))
     errors = {}
     for name, case in cases:
         try:
@@ -401,7 +406,9 @@ def print_table(result: dict) -> None:
           f"  notes")  # fmt: skip
     for r in result["rows"]:
         notes = []
-        if "read_fraction" in r:
+        if "note" in r:
+            notes.append(r["note"])
+        elif "read_fraction" in r:
             notes.append(f"{100 * r['read_fraction']:.0f}% of read bandwidth; F.linear "
                          f"{r['oneDNN_GBps'] / 1e9:.1f} GB/s; "
                          f"{'AVX-512 BF16' if r['avx512_bf16'] else 'FMA path'}")

@@ -5,15 +5,21 @@ the float weights are loaded:
 
 - ``"int8"`` / ``"int4"``: every projection of every decoder layer
   (:data:`QUANTIZED_LAYERS`) is quantized from the weight this rank holds
-  (:func:`minivllm.ref.quantization.quantize`);
+  (:func:`minivllm.ref.quantization.quantize`), and the LM head to int8 per
+  output channel for both (:data:`LM_HEAD_METHOD`);
 - ``"gguf"``: the projections take the ``Q8_0`` / ``Q4_0`` / ``Q4_1`` blocks
   stored in the ``.gguf`` file itself, with no dequantize-requantize round
   trip (vLLM's ``quantization="gguf"``), so the default SmolLM2 runs on the
-  4-bit weights it ships with.
+  4-bit weights it ships with. The LM head takes ``output.weight``'s blocks,
+  or ``token_embd.weight``'s when the two are tied (SmolLM2's is ``Q8_0``).
 
-The embedding and the LM head stay in float (vLLM leaves them unquantized by
-default too): the embedding is a lookup, not a matmul, and SmolLM2 ties the
-two.
+Why the LM head too: a batch-1 decode step reads every weight once, and
+SmolLM2's LM head (49152 x 576, tied to the embedding) is 113 MB in float32,
+more than all its quantized layers together; llama.cpp's files keep it 8-bit,
+which costs little quality (the logits' error is a small fraction of their
+spread). The embedding stays in float: it is a lookup, not a matmul, and when
+the two are tied the lookup still reads the float rows (only the LM head's
+``weight`` attribute is replaced; the embedding keeps the shared parameter).
 
 A layer's ``weight`` parameter is replaced by a
 :class:`~minivllm.ref.quantization.QuantizedWeight`; its ``forward`` multiplies
@@ -42,6 +48,8 @@ QUANTIZATION_METHODS = (*METHODS, "gguf")
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 #: GGUF block types loaded without dequantizing -> our method.
 GGUF_NATIVE_TYPES = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+#: The LM head's format for each ``quantization=`` that quantizes float weights.
+LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 
 
 def check_quantization(value: str | None, model: str | Path | None = None) -> str | None:
@@ -58,8 +66,17 @@ def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if name.rpartition(".")[2] in QUANTIZED_LAYERS]  # fmt: skip
 
 
+def lm_head_of(model: nn.Module) -> nn.Module | None:
+    """The model's LM head if this rank computes logits with one (else None: another
+    pipeline stage's, or a model without one)."""
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(getattr(head, "weight", None), torch.Tensor) else None
+
+
 def _set_weight(layer: nn.Module, weight: QuantizedWeight) -> None:
-    del layer.weight  # the float Parameter; a plain attribute takes its place
+    # The float Parameter goes; a plain attribute takes its place. A tied LM head
+    # shares its Parameter with the embedding, which keeps it (and its float rows).
+    del layer.weight
     layer.weight = weight
 
 
@@ -88,6 +105,11 @@ def quantize_model(model: nn.Module, method: str, ops: ModuleType,
         q = ops.quantize(w, method)
         _set_weight(layer, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
                                            q.group_size, ops))
+    head = lm_head_of(model)
+    if head is not None:  # (..., V_r, K): this rank's vocabulary rows
+        q = ops.quantize(head.weight.data, LM_HEAD_METHOD[method])
+        _set_weight(head, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
+                                          q.group_size, ops))
     return model
 
 
@@ -143,41 +165,46 @@ def _gguf_sources(layer_name: str) -> list[tuple[str, Any]]:
 def _load_gguf_blocks(model: nn.Module, ops: ModuleType, path: Path) -> None:
     import gguf
 
-    from minivllm.model.gguf_loader import unpermute_qk
-
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    config = model.config
-    for name, layer in quantized_layers(model):
-        sources = _gguf_sources(name)
+    layers = [(name, layer, _gguf_sources(name)) for name, layer in quantized_layers(model)]
+    head = lm_head_of(model)
+    if head is not None:  # untied: output.weight; tied: the embedding's blocks
+        source = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        layers.append(("lm_head", head, [(source, None)]))
+    for name, layer, sources in layers:
         types = {tensors[s].tensor_type.name for s, _ in sources}
         if len(types) != 1 or next(iter(types)) not in GGUF_NATIVE_TYPES:
             continue  # e.g. F32 or K-quant blocks: this layer keeps its dequantized weight
-        type_name = types.pop()
         if layer.weight.shape[-1] % 32:
             raise ValueError(f"quantization='gguf': layer {name} has K = {layer.weight.shape[-1]} "
                              f"input features per rank; GGUF blocks need a multiple of 32")
-        method = GGUF_NATIVE_TYPES[type_name]
-        # Three scratch "weights" shaped like this rank's: integers, scales, minimums.
-        parts = [torch.empty(layer.weight.shape) for _ in range(3 if method == "int4" else 2)]
-        for source, shard in sources:
-            arrays = gguf_blocks(tensors[source].data, type_name)
-            for part, array in zip(parts, arrays):
-                if shard in ("q", "k"):  # llama.cpp's Q/K row order -> HF's
-                    heads = config.num_attention_heads if shard == "q" \
-                        else config.num_key_value_heads
-                    array = unpermute_qk(array, heads)
-                full = torch.from_numpy(np.array(array, dtype=np.float32))
-                if shard is None:
-                    layer.weight_loader(part, full)
-                else:
-                    layer.weight_loader(part, full, shard)
-        device = layer.weight.device
-        q, scales = parts[0], parts[1][..., ::32].contiguous().to(device)
-        if method == "int8":
-            weight = QuantizedWeight("int8", q.to(torch.int8).to(device), scales, None, 32, ops)
-        else:
-            mins = parts[2][..., ::32].contiguous().to(device)
-            weight = QuantizedWeight("int4", pack_int4(q).to(device), scales, mins,
-                                     INT4_GROUP_SIZE, ops)
-        _set_weight(layer, weight)
+        _set_weight(layer, _gguf_weight(layer, sources, tensors, types.pop(), model.config, ops))
+
+
+def _gguf_weight(layer: nn.Module, sources: list[tuple[str, Any]], tensors: dict,
+                 type_name: str, config: Any, ops: ModuleType) -> QuantizedWeight:
+    """This rank's :class:`QuantizedWeight` for ``layer`` from the GGUF ``sources``' blocks."""
+    from minivllm.model.gguf_loader import unpermute_qk
+
+    method = GGUF_NATIVE_TYPES[type_name]
+    # Three scratch "weights" shaped like this rank's: integers, scales, minimums.
+    parts = [torch.empty(layer.weight.shape) for _ in range(3 if method == "int4" else 2)]
+    for source, shard in sources:
+        arrays = gguf_blocks(tensors[source].data, type_name)
+        for part, array in zip(parts, arrays):
+            if shard in ("q", "k"):  # llama.cpp's Q/K row order -> HF's
+                heads = config.num_attention_heads if shard == "q" \
+                    else config.num_key_value_heads
+                array = unpermute_qk(array, heads)
+            full = torch.from_numpy(np.array(array, dtype=np.float32))
+            if shard is None:
+                layer.weight_loader(part, full)
+            else:
+                layer.weight_loader(part, full, shard)
+    device = layer.weight.device
+    q, scales = parts[0], parts[1][..., ::32].contiguous().to(device)
+    if method == "int8":
+        return QuantizedWeight("int8", q.to(torch.int8).to(device), scales, None, 32, ops)
+    mins = parts[2][..., ::32].contiguous().to(device)
+    return QuantizedWeight("int4", pack_int4(q).to(device), scales, mins, INT4_GROUP_SIZE, ops)

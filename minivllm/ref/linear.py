@@ -430,6 +430,7 @@ class ParallelLMHead(_Loaded, VocabParallelEmbedding):
     rank 0 concatenates them (there the sampler runs) and the padding columns
     are cut off. Its weight has the embedding's layout, so tying the two
     (``lm_head.weight = embed_tokens.weight``) works for every ``tp_size``.
+    A quantized LM head (``quantization=``) multiplies through :func:`linear`.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
@@ -459,7 +460,7 @@ class ParallelLMHead(_Loaded, VocabParallelEmbedding):
         logits = []
         for rank in range(self.tp_size):
             bias = None if self.bias is None else self.bias[rank]
-            logits.append(F.linear(hidden, self.weight[rank], bias))  # (T, V_r)
+            logits.append(linear(hidden, self.weight[rank], bias))  # (T, V_r)
         full = torch.cat(logits, dim=-1)  # the gather to rank 0: (T, V_padded)
         return full[..., : self.num_embeddings]  # drop the padding columns
         # END SOLUTION

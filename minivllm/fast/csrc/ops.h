@@ -124,9 +124,9 @@ void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& 
                     const std::optional<at::Tensor>& bias, bool portable);
 bool gemv_has_avx512_bf16();
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
-                 const at::Tensor& scales);
+                 const at::Tensor& scales, bool portable);
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
-                 const at::Tensor& scales, const at::Tensor& mins);
+                 const at::Tensor& scales, const at::Tensor& mins, bool portable);
 void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
 void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);

@@ -30,9 +30,13 @@ TORCH_LIBRARY(minivllm, m) {
       "bool portable) -> ()");
   // No tensors: a plain function, the same on every device.
   m.def("gemv_has_avx512_bf16() -> bool", &minivllm::gemv_has_avx512_bf16);
-  m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales) -> ()");
+  // portable=True: the plain loop even where the AVX2 tiles exist (for tests).
   m.def(
-      "int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor mins) -> ()");
+      "int8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, "
+      "bool portable=False) -> ()");
+  m.def(
+      "int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor mins, "
+      "bool portable=False) -> ()");
   m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
   m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
   // The whole decoder layer stack of a decode step (layer_stack.cpp).
