@@ -52,9 +52,9 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
   at::Tensor out =
       y.scalar_type() == at::kFloat ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
   if (kind == INT8_WEIGHT) {
-    int8_linear(out, x, t[0], t[1]);
+    int8_linear(out, x, t[0], t[1], /*portable=*/false);
   } else {
-    int4_linear(out, x, t[0], t[1], t[2]);
+    int4_linear(out, x, t[0], t[1], t[2], /*portable=*/false);
   }
   if (!out.is_same(y)) y.copy_(out);
 }
