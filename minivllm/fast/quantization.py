@@ -8,10 +8,11 @@ What it does differently, and why that is faster:
 - **Few rows of x (decode).** The ref dequantizes the whole weight into a
   float32 ``(N, K)`` tensor, then multiplies: it reads the quantized bytes,
   writes 4 bytes a weight and reads them back. The C++ ops
-  (``minivllm/fast/csrc/quant.cpp``: ``int8_linear``, ``int4_linear``) read
-  each quantized row once, widen the integers to float in registers and
-  accumulate ``x . q`` per group, applying the scale (and for int4 the
-  minimum times the group's sum of ``x``) once per group. Memory traffic is
+  (``minivllm/fast/csrc/quant.cpp``: ``int8_linear``, ``int4_linear``; their
+  AVX2 register tiles are in ``quant_tiles.h``) read each quantized row once,
+  widen the integers to float in registers and accumulate ``x . q`` per group,
+  applying the scale (and for int4 the minimum times the group's sum of
+  ``x``) once per group. Memory traffic is
   the quantized bytes, 1 or 0.75 byte a weight, so at batch 1 the step is up
   to 2-2.7x faster than a bf16 weight read at the same bandwidth.
 - **Many rows (prefill).** Arithmetic dominates, and a GEMM library does it
