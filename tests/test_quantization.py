@@ -180,16 +180,20 @@ def test_decode_shaped_linear_on_awkward_sizes(ops, method, group_size, n, k, ma
 @pytest.mark.parametrize("method,group_size", FORMATS)
 @pytest.mark.parametrize("n,k", AWKWARD)
 def test_cpp_tiles_and_plain_loop_match_float64(method, group_size, n, k):
-    """The C++ ops directly, both paths (``portable=True``: the plain loop), M = 1..8."""
+    """The C++ ops directly, both paths (``portable=True``: the plain loop), M = 1..8, and
+    a batch-64-decode-sized M (odd, so the last row takes the 1-row tile) up to the limit."""
     from minivllm.fast import cpu_ops
 
     if not cpu_ops.available():
         pytest.skip(f"C++ ops not built: {cpu_ops.unavailable_reason()}")
     if group_size and k % group_size:
         pytest.skip("group does not divide K")
+    from minivllm.fast.quantization import GEMV_MAX_ROWS
+
     qw, x = _awkward_case(method, group_size, n, k, 1.0, seed=5)
+    x = torch.cat([x, torch.randn(GEMV_MAX_ROWS - 8, k, generator=torch.Generator().manual_seed(9))])
     w64 = oracle_dequantize(qw)
-    for m in range(1, 9):
+    for m in [*range(1, 9), 65, GEMV_MAX_ROWS]:
         expected = x[:m].double() @ w64.T
         for portable in (False, True):
             out = torch.full((m, n), float("nan"))
@@ -355,7 +359,7 @@ def test_gguf_native_blocks_are_the_converted_weights(smollm2_dir):
     torch.testing.assert_close(oracle_dequantize(head).float(), dense.lm_head.weight.data,
                                rtol=1e-6, atol=1e-7)
     assert torch.equal(quant.model.embed_tokens.weight, dense.model.embed_tokens.weight)
-    # Decode-shaped steps (at most 8 rows: the quantized GEMV kernels, not dequantize +
+    # Decode-shaped steps (few rows: the quantized GEMV kernels, not dequantize +
     # F.linear) give the float32 model's logits up to the order of the sums.
     from minivllm.bench.quality import logits_of
 

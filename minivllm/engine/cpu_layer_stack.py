@@ -7,8 +7,8 @@ the layers as one flat loop over the C++ ops; this runs that same loop in C++
 dispatch instead of about ten per layer.
 
 It applies where every projection would take a C++ op anyway: few rows (at
-most :data:`minivllm.fast.linear.GEMV_MAX_ROWS`, and
-:data:`minivllm.fast.quantization.GEMV_MAX_ROWS` if a weight is quantized), one
+most :data:`minivllm.fast.linear.GEMV_MAX_ROWS` for float weights and
+:data:`minivllm.fast.quantization.GEMV_MAX_ROWS` for quantized ones), one
 rank, no bias, and weights the fast twins serve with their C++ kernels (float32
 or bf16 matrices, or int8 / int4 :class:`~minivllm.ref.quantization.QuantizedWeight`
 made by the fast quantization component). :meth:`LayerStack.build` checks that
@@ -66,10 +66,11 @@ class LayerStack:
         self.kinds, self.weights, self.norms, self.eps = kinds, weights, norms, eps
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
-        quantized = any(k != FLOAT_WEIGHT for k in kinds)
+        limits = {FLOAT_WEIGHT: fast_linear.GEMV_MAX_ROWS,
+                  INT8_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
+                  INT4_WEIGHT: fast_quantization.GEMV_MAX_ROWS}
         #: Most rows (tokens in a step) for which every projection is a GEMV.
-        self.max_rows = min(fast_linear.GEMV_MAX_ROWS,
-                            fast_quantization.GEMV_MAX_ROWS if quantized else 1 << 30)
+        self.max_rows = min(limits[k] for k in kinds)
         self._op = cpu_ops.ops().decode_layers.default
 
     @classmethod
