@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 import zipfile
@@ -117,6 +118,12 @@ def find_package(package: str, pythonpath: list[str | Path]) -> Path | None:
     return origin.parent if origin.name == "__init__.py" else origin
 
 
+#: CPython 3.11's parser keeps its recursion-depth check in shared state, so two threads
+#: parsing at once (the mutant self-check grades in a thread pool) can fail with
+#: "SystemError: AST constructor recursion depth mismatch"; parses take turns.
+_AST_LOCK = threading.Lock()
+
+
 def scan_package(root: Path) -> list[str]:
     """Why the submission at ``root`` is refused: one line per forbidden import (or none).
 
@@ -132,7 +139,8 @@ def scan_package(root: Path) -> list[str]:
     for path in files:
         where = path.relative_to(root.parent)
         try:
-            tree = ast.parse(path.read_text(errors="replace"), filename=str(path))
+            with _AST_LOCK:  # see _AST_LOCK
+                tree = ast.parse(path.read_text(errors="replace"), filename=str(path))
         except SyntaxError as e:
             problems.append(f"{where}:{e.lineno}: syntax error: {e.msg}")
             continue
