@@ -20,6 +20,7 @@ before a step reads it. vLLM v1's ``BlockTable`` works the same way.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["BlockTables"]
@@ -134,12 +135,13 @@ class BlockTables:
                     f"[0, {self._num_blocks[row] * bs}) (its {self._num_blocks[row]} blocks)"
                 )
         total = sum(num_tokens)
-        if self._table_dev is self._table_cpu and all(n == 1 for n in num_tokens):  # decode
-            # Plain integer arithmetic per token: a batch-1 decode step is one lookup,
-            # and six small tensor ops cost more than it does.
-            table = self._table_np
-            return torch.tensor([int(table[row, pos // bs]) * bs + pos % bs
-                                 for row, pos in zip(rows, start_positions)], dtype=torch.int64)
+        decode = bool(rows) and total == len(rows) and max(num_tokens) == 1  # 1 token each
+        if decode and self._table_dev is self._table_cpu:
+            # A decode step: one numpy gather, table[row, pos // bs],
+            # in place of six small tensor ops that cost more than the lookup itself.
+            pos = np.asarray(start_positions, dtype=np.int64)
+            blocks = self._table_np[np.asarray(rows, dtype=np.int64), pos // bs].astype(np.int64)
+            return torch.from_numpy(blocks * bs + pos % bs)
         dev = self.device
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # (R,)
         starts = torch.tensor(start_positions, dtype=torch.int64, device=dev)  # (R,)
