@@ -35,8 +35,8 @@ needed and every layer is a plain matmul / ``F.embedding``.
 
 The matmul itself is :func:`linear`: ``F.linear`` (oneDNN/MKL on a CPU,
 cuBLAS on CUDA), except for decode-shaped inputs on a CPU. With at most
-:data:`GEMV_MAX_ROWS` token rows and bf16 or float32 weights, the C++ op ``torch.ops.minivllm.linear_small_m``
-(``csrc/gemv.cpp``) reads each weight row once at memory bandwidth and does
+:data:`GEMV_MAX_ROWS` token rows and bf16 or float32 weights, the C++ op
+``torch.ops.minivllm.linear_small_m`` (``csrc/gemv.cpp``) reads each weight row once at memory bandwidth and does
 all the rows' arithmetic while it sits in L1: AVX-512 BF16 dot products where
 the CPU has them, float32 FMAs elsewhere. A GEMM library tiles for a reuse
 that a few rows do not have: MKL's sgemm packs the whole float32 weight first,
@@ -51,6 +51,8 @@ is built, so build it after :func:`minivllm.distributed.init_distributed`
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +149,6 @@ def prepack(weight) -> torch.Tensor | None:
     weight: the small-M GEMV reads the plain one. ``$MINIVLLM_PREPACK=0`` turns it
     off; quantized weights, CUDA and a torch without oneDNN are never packed.
     """
-    import os
-
     if (os.environ.get("MINIVLLM_PREPACK", "1") == "0" or not isinstance(weight, torch.Tensor)
             or weight.device.type != "cpu" or weight.dim() != 2
             or weight.dtype not in (torch.float32, torch.bfloat16)
