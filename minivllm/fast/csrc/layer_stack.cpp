@@ -19,7 +19,7 @@
 //     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
 //
 // A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4,
-// quant.cpp); the Python side (cpu_fast_path.py) calls this only where every
+// quant.cpp); the Python side (engine/cpu_layer_stack.py) calls this only where every
 // projection would take one of those ops anyway (few rows, no bias, one rank),
 // and passes which kind each one is. Buffers for q/k/v, the attention output,
 // gate/up and the activation are allocated once per call and reused by every
@@ -33,7 +33,7 @@
 namespace minivllm {
 namespace {
 
-// Projection kinds, as cpu_fast_path.py numbers them.
+// Projection kinds, as engine/cpu_layer_stack.py numbers them.
 constexpr int64_t FLOAT_WEIGHT = 0;  // weight: (N, K) float32 / bf16
 constexpr int64_t INT8_WEIGHT = 1;   // qweight int8 (N, K), scales (N, G)
 constexpr int64_t INT4_WEIGHT = 2;   // qweight uint8 (N, K / 2), scales and mins (N, K / 32)
