@@ -34,6 +34,7 @@ the ref on a CPU.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -47,8 +48,23 @@ SOURCES = ("attention.cpp", "cache_write.cpp", "layernorm.cpp", "activation.cpp"
            "gemv.cpp", "quant.cpp", "layer_stack.cpp", "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
 HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h")
-#: The extension's name: its folder in torch's extension cache.
-NAME = "minivllm_cpu_ops"
+
+
+def _extension_name() -> str:
+    """The extension's name, and so its folder in torch's extension cache.
+
+    Keyed by this environment (``sys.prefix``) and this source tree: two
+    virtual environments, or two checkouts, on one machine each build once
+    into a folder of their own, instead of rebuilding over each other's
+    library at every switch (a minute each time).
+    """
+    key = f"{sys.prefix}\0{CSRC.resolve()}".encode()
+    return f"minivllm_cpu_ops_{hashlib.sha1(key).hexdigest()[:10]}"
+
+
+#: The extension's name: its folder in torch's extension cache (one per environment
+#: and source tree).
+NAME = _extension_name()
 
 
 def compile_flags() -> list[str]:
