@@ -32,7 +32,7 @@ class KVCacheManager(_ref.KVCacheManager):
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
-        num_lookahead_tokens: int = 0,
+        *, num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Blocks for ``num_new_tokens`` more tokens; None if the pool is too small now."""
         blocks = self.req_to_blocks.get(request.request_id)
@@ -46,4 +46,4 @@ class KVCacheManager(_ref.KVCacheManager):
             ):
                 return []
         return super().allocate_slots(request, num_new_tokens, new_computed_blocks,
-                                      num_lookahead_tokens)
+                                      num_lookahead_tokens=num_lookahead_tokens)

@@ -73,7 +73,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
-        num_lookahead_tokens: int = 0,
+        *, num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Blocks for ``num_new_tokens`` more tokens; None if the pool is too small now.
 
@@ -83,8 +83,11 @@ class KVCacheManager:
                 decoding: its last sampled token plus its drafts).
             new_computed_blocks: prefix-cache hits from :meth:`get_computed_blocks`
                 (admission only); they come first in the request's blocks.
-            num_lookahead_tokens: slots to reserve beyond those (vLLM's name:
-                where a draft model writes its drafts' K/V after the step).
+            num_lookahead_tokens: (keyword-only, as in vLLM) slots to reserve
+                beyond those: where a draft model writes its drafts' K/V after
+                the step. The scheduler passes it only when it is above 0, so a
+                manager written without it still serves an engine without a
+                draft model.
 
         Only final tokens enter the prefix cache: a block is cached once every
         token in it is in ``request.all_token_ids``, never while it holds a

@@ -186,9 +186,12 @@ class Scheduler:
                 continue
             num_lookahead = min(self.scheduler_config.num_lookahead_tokens, self.max_model_len
                                 - request.num_computed_tokens - num_new_tokens)
+            # Keyword-only, and passed only when used (a draft model): a KV cache manager
+            # written without num_lookahead_tokens still serves every other engine.
+            lookahead = {"num_lookahead_tokens": num_lookahead} if num_lookahead > 0 else {}
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=max(num_lookahead, 0))
+                    request, num_new_tokens, **lookahead)
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()  # the most recently admitted request
@@ -224,8 +227,9 @@ class Scheduler:
                 num_new_tokens = token_budget
             num_lookahead = min(self.scheduler_config.num_lookahead_tokens,
                                 self.max_model_len - num_computed_tokens - num_new_tokens)
+            lookahead = {"num_lookahead_tokens": num_lookahead} if num_lookahead > 0 else {}
             if self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks, max(num_lookahead, 0)
+                request, num_new_tokens, computed_blocks, **lookahead
             ) is None:
                 break  # the pool is full: later requests wait their turn too
             self.waiting.popleft()
