@@ -11,7 +11,7 @@ vLLM. Open the trace in https://ui.perfetto.dev or chrome://tracing.
 Every engine step is split into named ranges (``record_function``):
 ``schedule``, ``prepare_inputs``, ``forward``, ``sample`` and ``detokenize``.
 Inside ``forward`` the model puts each decoder layer in a ``layer.N`` range and
-each kernel call in an ``op.<category>`` range (:func:`minivllm.model.llama.op_range`:
+each kernel call in an ``op.<category>`` range (:func:`op_range`:
 linear, attention, norm, rope, activation, cache_write, embedding, lm_head).
 On exit two tables are printed: seconds and share per stage, and per op
 category (with the sampler), which answers "where does forward time go"
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
 from typing import TextIO
 
 import torch
@@ -43,6 +44,30 @@ from torch._C._profiler import (
     RecordScope,
     _ExperimentalConfig,
 )
+
+
+def is_recording() -> bool:
+    """Whether a torch profiler is recording in this thread (0.3-1 µs to ask).
+
+    The one place that asks: :func:`op_range` follows it, and the fast model
+    runner steps aside for the model's own forward while it is true, so that
+    the op table names every kernel.
+    """
+    return torch._C._autograd._profiler_enabled()
+
+
+def op_range(name: str) -> AbstractContextManager:
+    """A profiler range called ``name`` while a torch profiler records; otherwise a no-op.
+
+    ``record_function`` costs about 7 µs even when nothing records (measured on
+    the 2-core development machine), i.e. ~2 ms per step for 30 layers with
+    ten ranges each. Asking the profiler whether it is on costs 0.3-1 µs, so
+    the ranges follow the profiler itself: no flag for anyone to flip.
+    """
+    if is_recording():
+        return torch.profiler.record_function(name)
+    return nullcontext()
+
 
 STAGES = ("schedule", "prepare_inputs", "forward", "sample", "detokenize")
 #: Op categories, as the model names its ranges (``op.<name>``), plus the sampler.

@@ -53,11 +53,21 @@ import importlib
 import json
 import math
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
+from minivllm.bench.harness import (
+    copy_bandwidth,
+    dtype_name,
+    max_abs_err,
+    median_ms,
+    read_bandwidth,
+    speedup_row,
+)
+
 #: Benchmark shapes; ``tiny`` is for checking the benchmark code in the interpreter.
-SHAPES = {
+SHAPES = MappingProxyType({
     "full": dict(decode=(64, 4096, 32, 8, 128, 16), prefill=(8, 1024, 32, 8, 128, 16),
                  norm=(4096, 4096), silu=(4096, 14336), rope=(4096, 32, 8, 128, 8192),
                  cache=(4096, 8, 128, 16), copy_bytes=2**30),
@@ -68,54 +78,10 @@ SHAPES = {
                 norm=(2048, 576), silu=(2048, 1536), rope=(2048, 9, 3, 64, 8192),
                 cache=(2048, 3, 64, 16), copy_bytes=2**28, dtype=torch.float32,
                 gemv=(1, 576, 49152)),
-}  # fmt: skip
+})  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- helpers
-def _bench(fn) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on a GPU, wall clock on a CPU)."""
-    import os
-    import time
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
-        # --tiny in the interpreter: one run, the time means nothing
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    if not torch.cuda.is_available():
-        # One thread: its CPU time, which other processes on a busy machine do not inflate.
-        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-        fn()  # warm-up
-        times: list[float] = []
-        while len(times) < 5 or (sum(times) < 0.5 and len(times) < 50):
-            start = clock()
-            fn()
-            times.append(clock() - start)
-        return sorted(times)[len(times) // 2] * 1e3
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def copy_bandwidth(device: str, n: int = 2**30) -> float:
-    """Bytes/s of an ``n``-byte device-to-device copy, counting bytes read + written."""
-    src = torch.ones(n, dtype=torch.uint8, device=device)  # touched: no page faults timed
-    dst = torch.zeros_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return 2 * n / (ms * 1e-3)
-
-
-def read_bandwidth(device: str, n: int = 2**30) -> float:
-    """Bytes/s of reading ``n`` bytes (a float32 ``sum``: one add per 4 bytes read)."""
-    src = torch.ones(n // 4, dtype=torch.float32, device=device)
-    ms = _bench(lambda: src.sum())
-    return n / (ms * 1e-3)
-
-
 def _paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, device):
     """A paged cache holding ``seq_lens`` tokens per sequence in random blocks, + metadata."""
     from minivllm.metadata import AttentionMetadata
@@ -141,23 +107,6 @@ def _paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dt
     return query, k_cache, v_cache, md
 
 
-def _name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-
-
-def _row(name, t_ref, t_fast, err, gbytes=None, extra=None, bw=None) -> dict:
-    """One table row; with ``gbytes`` (the minimum bytes moved) also GB/s and its
-    fraction of the copy bandwidth ``bw``."""
-    row = dict(kernel=name, ref_ms=t_ref, fast_ms=t_fast, speedup=t_ref / t_fast, max_abs_err=err)
-    if gbytes is not None:
-        row["fast_GBps"] = gbytes / (t_fast * 1e-3)
-        if bw:
-            row["bandwidth_fraction"] = row["fast_GBps"] / bw
-    row.update(extra or {})
-    return row
-
-
-# ----------------------------------------------------------------------------- the cases
 def bench_decode(ref, fast, bw: float, device: str, shapes: dict) -> dict:
     dtype = shapes.get("dtype", torch.bfloat16)
     size = dtype.itemsize  # bytes per element
@@ -166,12 +115,12 @@ def bench_decode(ref, fast, bw: float, device: str, shapes: dict) -> dict:
                                  dtype, device)  # fmt: skip
     scale = d**-0.5
     out_fast = fast.paged_attention(q, kc, vc, md, scale)
-    err = _err(out_fast, ref.paged_attention(q, kc, vc, md, scale))
-    t_fast = _bench(lambda: fast.paged_attention(q, kc, vc, md, scale))
-    t_ref = _bench(lambda: ref.paged_attention(q, kc, vc, md, scale))
+    err = max_abs_err(out_fast, ref.paged_attention(q, kc, vc, md, scale))
+    t_fast = median_ms(lambda: fast.paged_attention(q, kc, vc, md, scale))
+    t_ref = median_ms(lambda: ref.paged_attention(q, kc, vc, md, scale))
     nbytes = (2 * batch * ctx * kv_heads * d + 2 * q.numel()) * size  # K+V read, q read, out write
-    return _row("decode attention", t_ref, t_fast, err, nbytes,
-                dict(shape=f"B{batch} ctx{ctx} H{heads}/{kv_heads} d{d} {_name(dtype)} bs{bs}"),
+    return speedup_row("decode attention", t_ref, t_fast, err, nbytes,
+                dict(shape=f"B{batch} ctx{ctx} H{heads}/{kv_heads} d{d} {dtype_name(dtype)} bs{bs}"),
                 bw=bw)  # fmt: skip
 
 
@@ -207,13 +156,13 @@ def bench_prefill(ref, fast, device: str, shapes: dict) -> dict:
             return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
 
     out_fast = fast.paged_attention(q, kc, vc, md, scale)
-    err = _err(out_fast.view(batch, seq, heads, d).transpose(1, 2), sdpa())
-    t_fast = _bench(lambda: fast.paged_attention(q, kc, vc, md, scale))
-    t_ref = _bench(lambda: ref.paged_attention(q, kc, vc, md, scale))
-    t_sdpa = _bench(sdpa)
+    err = max_abs_err(out_fast.view(batch, seq, heads, d).transpose(1, 2), sdpa())
+    t_fast = median_ms(lambda: fast.paged_attention(q, kc, vc, md, scale))
+    t_ref = median_ms(lambda: ref.paged_attention(q, kc, vc, md, scale))
+    t_sdpa = median_ms(sdpa)
     flops = 4 * batch * heads * seq * seq * d / 2
-    return _row("prefill attention", t_ref, t_fast, err, None,
-                dict(shape=f"B{batch} L{seq} H{heads}/{kv_heads} d{d} {_name(dtype)} bs{bs}",
+    return speedup_row("prefill attention", t_ref, t_fast, err, None,
+                dict(shape=f"B{batch} L{seq} H{heads}/{kv_heads} d{d} {dtype_name(dtype)} bs{bs}",
                      sdpa_ms=t_sdpa, sdpa_over_fast=t_sdpa / t_fast,
                      fast_TFLOPs=flops / (t_fast * 1e-3) / 1e12,
                      sdpa_TFLOPs=flops / (t_sdpa * 1e-3) / 1e12))  # fmt: skip
@@ -229,17 +178,17 @@ def bench_norms(ref, fast, device: str, shapes: dict) -> list[dict]:
     n = x.numel() * size
     o_ref = ref.fused_add_rms_norm(x, r, w, 1e-6)
     o_fast = fast.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
-    err = max(_err(o_ref[0], o_fast[0]), _err(o_ref[1], o_fast[1]))
+    err = max(max_abs_err(o_ref[0], o_fast[0]), max_abs_err(o_ref[1], o_fast[1]))
     # The fast twin updates x/residual in place; re-running it on the same buffers is fine
     # for timing (the residual just keeps growing, which costs the same).
     xf, rf = x.clone(), r.clone()
-    fused = _row("fused add+RMSNorm", _bench(lambda: ref.fused_add_rms_norm(x, r, w, 1e-6)),
-                 _bench(lambda: fast.fused_add_rms_norm(xf, rf, w, 1e-6)), err, 4 * n,
-                 dict(shape=f"T{tokens} hidden{hidden} {_name(dtype)}"))  # fmt: skip
-    err = _err(ref.rms_norm(x, w, 1e-6), fast.rms_norm(x, w, 1e-6))
-    plain = _row("RMSNorm", _bench(lambda: ref.rms_norm(x, w, 1e-6)),
-                 _bench(lambda: fast.rms_norm(x, w, 1e-6)), err, 2 * n,
-                 dict(shape=f"T{tokens} hidden{hidden} {_name(dtype)}"))  # fmt: skip
+    fused = speedup_row("fused add+RMSNorm", median_ms(lambda: ref.fused_add_rms_norm(x, r, w, 1e-6)),
+                 median_ms(lambda: fast.fused_add_rms_norm(xf, rf, w, 1e-6)), err, 4 * n,
+                 dict(shape=f"T{tokens} hidden{hidden} {dtype_name(dtype)}"))  # fmt: skip
+    err = max_abs_err(ref.rms_norm(x, w, 1e-6), fast.rms_norm(x, w, 1e-6))
+    plain = speedup_row("RMSNorm", median_ms(lambda: ref.rms_norm(x, w, 1e-6)),
+                 median_ms(lambda: fast.rms_norm(x, w, 1e-6)), err, 2 * n,
+                 dict(shape=f"T{tokens} hidden{hidden} {dtype_name(dtype)}"))  # fmt: skip
     return [fused, plain]
 
 
@@ -248,10 +197,10 @@ def bench_silu(ref, fast, device: str, shapes: dict) -> dict:
     size = dtype.itemsize  # bytes per element
     tokens, inter = shapes["silu"]
     x = torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
-    err = _err(ref.silu_and_mul(x), fast.silu_and_mul(x))
-    return _row("SiLU-and-mul", _bench(lambda: ref.silu_and_mul(x)),
-                _bench(lambda: fast.silu_and_mul(x)), err, 3 * tokens * inter * size,
-                dict(shape=f"T{tokens} I{inter} {_name(dtype)}"))  # fmt: skip
+    err = max_abs_err(ref.silu_and_mul(x), fast.silu_and_mul(x))
+    return speedup_row("SiLU-and-mul", median_ms(lambda: ref.silu_and_mul(x)),
+                median_ms(lambda: fast.silu_and_mul(x)), err, 3 * tokens * inter * size,
+                dict(shape=f"T{tokens} I{inter} {dtype_name(dtype)}"))  # fmt: skip
 
 
 def bench_rope(ref, fast, device: str, shapes: dict) -> dict:
@@ -266,12 +215,12 @@ def bench_rope(ref, fast, device: str, shapes: dict) -> dict:
     k = torch.randn(tokens, kv_heads, d, dtype=dtype, device=device)
     rq, rk = ref.apply_rotary_emb(pos, q, k, cache)
     fq, fk = fast.apply_rotary_emb(pos, q.clone(), k.clone(), cache)
-    err = max(_err(rq, fq), _err(rk, fk))
+    err = max(max_abs_err(rq, fq), max_abs_err(rk, fk))
     qf, kf = q.clone(), k.clone()  # rotated in place again and again: same cost
     nbytes = 2 * tokens * (heads + kv_heads) * d * size + tokens * d * 4
-    return _row("RoPE (neox)", _bench(lambda: ref.apply_rotary_emb(pos, q, k, cache)),
-                _bench(lambda: fast.apply_rotary_emb(pos, qf, kf, cache)), err, nbytes,
-                dict(shape=f"T{tokens} H{heads}/{kv_heads} d{d} {_name(dtype)}"))  # fmt: skip
+    return speedup_row("RoPE (neox)", median_ms(lambda: ref.apply_rotary_emb(pos, q, k, cache)),
+                median_ms(lambda: fast.apply_rotary_emb(pos, qf, kf, cache)), err, nbytes,
+                dict(shape=f"T{tokens} H{heads}/{kv_heads} d{d} {dtype_name(dtype)}"))  # fmt: skip
 
 
 def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
@@ -287,12 +236,12 @@ def bench_cache_write(ref, fast, device: str, shapes: dict) -> dict:
               for _ in range(4)]  # fmt: skip
     ref.reshape_and_cache(k, v, caches[0], caches[1], slots)
     fast.reshape_and_cache(k, v, caches[2], caches[3], slots)
-    err = max(_err(caches[0], caches[2]), _err(caches[1], caches[3]))
+    err = max(max_abs_err(caches[0], caches[2]), max_abs_err(caches[1], caches[3]))
     nbytes = 4 * tokens * kv_heads * d * size
-    return _row("reshape_and_cache",
-                _bench(lambda: ref.reshape_and_cache(k, v, *caches[:2], slots)),
-                _bench(lambda: fast.reshape_and_cache(k, v, *caches[2:], slots)), err, nbytes,
-                dict(shape=f"T{tokens} H_kv{kv_heads} d{d} {_name(dtype)} bs{bs}"))  # fmt: skip
+    return speedup_row("reshape_and_cache",
+                median_ms(lambda: ref.reshape_and_cache(k, v, *caches[:2], slots)),
+                median_ms(lambda: fast.reshape_and_cache(k, v, *caches[2:], slots)), err, nbytes,
+                dict(shape=f"T{tokens} H_kv{kv_heads} d{d} {dtype_name(dtype)} bs{bs}"))  # fmt: skip
 
 
 def bench_gemv(read_bw: float, shapes: dict) -> list[dict]:
@@ -317,13 +266,13 @@ def bench_gemv(read_bw: float, shapes: dict) -> list[dict]:
             ops.linear_small_m(out, x, w, None, False)
             return out
 
-        err = _err(gemv().clone(), F.linear(x, w))
-        t_fast = _bench(gemv)
-        t_ref = _bench(lambda x=x, w=w: F.linear(x, w))
+        err = max_abs_err(gemv().clone(), F.linear(x, w))
+        t_fast = median_ms(gemv)
+        t_ref = median_ms(lambda x=x, w=w: F.linear(x, w))
         size = w.element_size()
         nbytes = w.numel() * size + (x.numel() + rows_m * n) * size  # w read once, x, y
-        rows.append(_row(f"GEMV (linear, M={rows_m})", t_ref, t_fast, err, nbytes,
-                         dict(shape=f"M{rows_m} K{k} N{n} {_name(dtype)}",
+        rows.append(speedup_row(f"GEMV (linear, M={rows_m})", t_ref, t_fast, err, nbytes,
+                         dict(shape=f"M{rows_m} K{k} N{n} {dtype_name(dtype)}",
                               oneDNN_GBps=nbytes / (t_ref * 1e-3), read_GBps=read_bw,
                               read_fraction=nbytes / (t_fast * 1e-3) / read_bw,
                               avx512_bf16=dtype == torch.bfloat16

@@ -28,11 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 import types
 from pathlib import Path
 
 import torch
+
+from minivllm.bench.harness import median_ms
 
 
 def _rowloop_paged_attention(query, k_cache, v_cache, metadata, scale):
@@ -53,17 +54,6 @@ def _gather_kv(*args, **kwargs):
 
 #: The ``attention`` component of the backend ``{"attention": "minivllm.bench.prefill"}``.
 attention = types.SimpleNamespace(paged_attention=_rowloop_paged_attention, gather_kv=_gather_kv)
-
-
-def _median_ms(fn, repeats: int) -> float:
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def bench_kernel(length: int, repeats: int) -> dict:
@@ -88,9 +78,9 @@ def bench_kernel(length: int, repeats: int) -> dict:
 
     expect = sdpa().transpose(1, 2).reshape(q.shape)
     err = max((run(g) - expect).abs().max().item() for g in (True, False))
-    t_gemm = _median_ms(lambda: run(True), repeats)
-    t_rows = _median_ms(lambda: run(False), repeats)
-    t_sdpa = _median_ms(sdpa, repeats)
+    t_gemm = median_ms(lambda: run(True), repeats)
+    t_rows = median_ms(lambda: run(False), repeats)
+    t_sdpa = median_ms(sdpa, repeats)
     gflop = 4 * heads * length * length * d / 2 / 1e9
     return dict(length=length, gemm_ms=t_gemm, rows_ms=t_rows, sdpa_ms=t_sdpa,
                 rows_over_gemm=t_rows / t_gemm, sdpa_over_gemm=t_sdpa / t_gemm,

@@ -11,7 +11,7 @@ op cycles through enough copies of the weight to fill :data:`COLD_BYTES`
 (more than the L3), and the time per call is one pass over all copies
 divided by their number. GB/s counts the quantized bytes read (integers +
 scales + minimums) per call; the fraction is of the read bandwidth measured
-in the same run (``bench.kernels.read_bandwidth``). The ref column is the ref
+in the same run (``bench.harness.read_bandwidth``). The ref column is the ref
 twin's ``quantized_linear`` on the same (warm) weight.
 """
 
@@ -30,7 +30,7 @@ SHAPES = ((1728, 576), (3072, 576), (576, 1536), (49152, 576))
 def bench_quant_gemv(read_bw: float, shapes=SHAPES, methods=("int8", "int4"),
                      m: int = 1, cold_bytes: int = COLD_BYTES) -> list[dict]:
     """One row per (method, shape): the C++ quantized GEMV's ms, GB/s and read fraction."""
-    from minivllm.bench.kernels import _bench, _err, _row
+    from minivllm.bench.harness import max_abs_err, median_ms, speedup_row
     from minivllm.fast import cpu_ops
     from minivllm.ref import quantization as ref
 
@@ -59,14 +59,14 @@ def bench_quant_gemv(read_bw: float, shapes=SHAPES, methods=("int8", "int4"),
                 for weight in weights:
                     call(weight)
 
-            err = _err(call(qw).clone(), ref.quantized_linear(x, qw))
-            t_fast = _bench(cycle) / copies
-            t_ref = _bench(lambda x=x, qw=qw: ref.quantized_linear(x, qw))
+            err = max_abs_err(call(qw).clone(), ref.quantized_linear(x, qw))
+            t_fast = median_ms(cycle) / copies
+            t_ref = median_ms(lambda x=x, qw=qw: ref.quantized_linear(x, qw))
             nbytes = qw.nbytes + 4 * (x.numel() + out.numel())  # weight read once, x, y
             gbps = nbytes / (t_fast * 1e-3)
             note = (f"{100 * gbps / read_bw:.0f}% of read bandwidth; "
                     f"{nbytes / (n * k):.3f} B/weight; {copies} cold copies")  # fmt: skip
-            rows.append(_row(f"{method} GEMV {n}x{k}", t_ref, t_fast, err, nbytes,
+            rows.append(speedup_row(f"{method} GEMV {n}x{k}", t_ref, t_fast, err, nbytes,
                              dict(shape=f"M{m} K{k} N{n} {method}", read_GBps=read_bw,
                                   read_fraction=gbps / read_bw, note=note)))
             del weights
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m minivllm.bench quant_kernels [--threads T] [--m M]``: only these rows."""
     import argparse
 
-    from minivllm.bench.kernels import read_bandwidth
+    from minivllm.bench.harness import read_bandwidth
 
     p = argparse.ArgumentParser(prog="python -m minivllm.bench quant_kernels",
                                 description=__doc__,

@@ -47,7 +47,7 @@ from minivllm.ref.quantization import dequantize as ref_dequantize
 from minivllm.ref.quantization import quantized_linear as ref_quantized_linear
 
 __all__ = [
-    "QuantizedWeight", "quantize", "quantize_int8",
+    "METHODS", "INT4_GROUP_SIZE", "QuantizedWeight", "quantize", "quantize_int8",
     "dequantize_int8", "int8_gemv", "quantize_int4", "pack_int4", "unpack_int4",
     "dequantize_int4", "dequantize", "quantized_linear", "apply_linear",
 ]

@@ -33,23 +33,23 @@ is written once, in the linear layers.
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from minivllm.ref.quantization import INT4_GROUP_SIZE, METHODS, QuantizedWeight, pack_int4
+from minivllm.quantized_weight import INT4_GROUP_SIZE, METHODS, QuantizedWeight
 
 #: Every value ``quantization=`` accepts (None: the float weights).
 QUANTIZATION_METHODS = (*METHODS, "gguf")
 #: The layers that are quantized (the names of the decoder layers' projections).
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 #: GGUF block types loaded without dequantizing -> our method.
-GGUF_NATIVE_TYPES = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+GGUF_NATIVE_TYPES = MappingProxyType({"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"})
 #: The LM head's format for each ``quantization=`` that quantizes float weights.
-LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
+LM_HEAD_METHOD = MappingProxyType({"int8": "int8", "int4": "int8"})
 
 
 def check_quantization(value: str | None, model: str | Path | None = None) -> str | None:
@@ -207,4 +207,4 @@ def _gguf_weight(layer: nn.Module, sources: list[tuple[str, Any]], tensors: dict
     if method == "int8":
         return QuantizedWeight("int8", q.to(torch.int8).to(device), scales, None, 32, ops)
     mins = parts[2][..., ::32].contiguous().to(device)
-    return QuantizedWeight("int4", pack_int4(q).to(device), scales, mins, INT4_GROUP_SIZE, ops)
+    return QuantizedWeight("int4", ops.pack_int4(q).to(device), scales, mins, INT4_GROUP_SIZE, ops)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from minivllm.pp_stages import IntermediateTensors
+from minivllm.profiler import op_range
 
 __all__ = ["get_pp_indices", "stage_forward"]
 
@@ -68,8 +69,6 @@ def stage_forward(
     hidden)``) on every stage but the last, and the final-normed hidden states
     ``(T, hidden)`` on the last.
     """
-    from minivllm.model.llama import op_range
-
     # BEGIN SOLUTION
     if model.is_first_rank:
         with op_range("op.embedding"):

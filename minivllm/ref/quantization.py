@@ -44,69 +44,17 @@ int8 per channel ~1, int4 ``0.5 + 8/32 = 0.75`` (llama.cpp keeps ``d`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
 
+from minivllm.quantized_weight import INT4_GROUP_SIZE, METHODS, QuantizedWeight
+
 __all__ = [
-    "QuantizedWeight", "quantize", "quantize_int8",
+    "METHODS", "INT4_GROUP_SIZE", "QuantizedWeight", "quantize", "quantize_int8",
     "dequantize_int8", "int8_gemv", "quantize_int4", "pack_int4", "unpack_int4",
     "dequantize_int4", "dequantize", "quantized_linear", "apply_linear",
 ]
-
-#: The ``quantization=`` values that quantize float weights at load.
-METHODS = ("int8", "int4")
-#: Weights per group of the 4-bit format (llama.cpp's ``QK4_1``).
-INT4_GROUP_SIZE = 32
-
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """A quantized ``(..., N, K)`` weight; it takes the place of a linear layer's ``weight``.
-
-    Args:
-        method: ``"int8"`` or ``"int4"``.
-        qweight: int8 ``(..., N, K)``, or uint8 ``(..., N, K // 2)`` (two 4-bit
-            values per byte, llama.cpp's order; see the module docstring).
-        scales: float32 ``(..., N, K // group_size)``: ``s`` or ``d``.
-        mins: float32 ``(..., N, K // group_size)``: ``m`` (int4), else None.
-        group_size: weights per scale along ``K``.
-        ops: the ``quantization`` component whose ``quantized_linear`` runs
-            the matmul (resolved once, when the model is quantized).
-
-    Leading dimensions are the simulated ranks of :mod:`minivllm.ref.linear`;
-    ``weight[rank]`` is one rank's weight, as for a float weight.
-    """
-
-    method: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
-    group_size: int
-    ops: ModuleType | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        """``(..., N, K)``: the shape of the float weight it stands for."""
-        *lead, n, kq = self.qweight.shape
-        return torch.Size((*lead, n, kq * 2 if self.method == "int4" else kq))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes it occupies (integers, scales and mins)."""
-        return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.mins) if t is not None)
-
-    def __getitem__(self, index: int) -> QuantizedWeight:
-        mins = None if self.mins is None else self.mins[index]
-        return replace(self, qweight=self.qweight[index], scales=self.scales[index], mins=mins)
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T + b`` through the quantization component this weight was made with."""
-        ops = self.ops if self.ops is not None else _this_module()
-        return ops.quantized_linear(x, self, bias)
-
 
 def _this_module() -> ModuleType:
     import sys
@@ -267,8 +215,10 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     """``x W^T + b`` for a float weight (``F.linear``) or a :class:`QuantizedWeight`.
 
     The one place a linear layer learns that its weight may be quantized: a
-    quantized weight carries the component that multiplies with it.
+    quantized weight carries the component that multiplies with it (one made
+    without, by this module's quantizers, multiplies here).
     """
     if isinstance(weight, QuantizedWeight):
-        return weight.linear(x, bias)
+        ops = weight.ops if weight.ops is not None else _this_module()
+        return ops.quantized_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
