@@ -60,12 +60,13 @@ import os
 import types
 import warnings
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 #: Every component of the engine, in data-flow order. ``kind`` says whether a
 #: component is host-side Python (runs anywhere) or a device kernel (its fast
 #: twin is a Triton kernel on CUDA and a C++ op on a CPU).
-COMPONENTS: dict[str, str] = {
+COMPONENTS: Mapping[str, str] = MappingProxyType({
     "block_allocator": "host",
     "kv_cache_manager": "host",
     "scheduler": "host",
@@ -78,10 +79,11 @@ COMPONENTS: dict[str, str] = {
     "layernorm": "kernel",
     "rotary": "kernel",
     "activation": "kernel",
+    "model_runner": "host",
     "sampler": "host",
     "rejection_sampler": "host",
     "ngram_proposer": "host",
-}
+})
 
 BUILTIN = ("ref", "fast", "auto")
 

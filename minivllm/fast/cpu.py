@@ -10,6 +10,8 @@ serves one kernel component; the host-side components come from ``ref``.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from minivllm.fast import activation as _activation
 from minivllm.fast import attention as _attention
 from minivllm.fast import cache_write as _cache_write
@@ -18,8 +20,8 @@ from minivllm.fast import rotary as _rotary
 from minivllm.fast.triton import component
 
 #: The attention twin's other public names (the ref's helpers it re-exports).
-_attention_helpers = {n: getattr(_attention, n) for n in _attention.__all__
-                      if n != "paged_attention"}
+_attention_helpers = MappingProxyType({n: getattr(_attention, n) for n in _attention.__all__
+                                       if n != "paged_attention"})
 attention = component(f"{__name__}.attention", "Paged attention by the C++ op.",
                       paged_attention=_attention.paged_attention_cpu, **_attention_helpers)
 cache_write = component(f"{__name__}.cache_write", "The cache write by the C++ op.",
@@ -31,5 +33,7 @@ rotary = component(f"{__name__}.rotary", "RoPE by the C++ op.",
                    apply_rotary_emb=_rotary.apply_rotary_emb_cpu)
 activation = component(f"{__name__}.activation", "SiLU-and-mul by the C++ op.",
                        silu_and_mul=_activation.silu_and_mul_cpu)
-#: The quantized matmuls: the fast twin's own module (its C++ ops run on CPU tensors).
-from minivllm.fast import quantization  # noqa: E402, F401
+#: The quantized matmuls: the fast twin's own module (its C++ ops run on CPU tensors),
+#: and the model runner: the fast twin (its C++ layer stack runs only where every kernel
+#: the model calls is the C++ op, else the model's own forward).
+from minivllm.fast import model_runner, quantization  # noqa: E402, F401

@@ -17,6 +17,7 @@ from ``ref``.
 from __future__ import annotations
 
 import types
+from types import MappingProxyType
 
 from minivllm.fast import activation as _activation
 from minivllm.fast import attention as _attention
@@ -34,8 +35,8 @@ def component(qualname: str, doc: str, **functions) -> types.ModuleType:
 
 
 #: The attention twin's other public names (the ref's helpers it re-exports).
-_attention_helpers = {n: getattr(_attention, n) for n in _attention.__all__
-                      if n != "paged_attention"}
+_attention_helpers = MappingProxyType({n: getattr(_attention, n) for n in _attention.__all__
+                                       if n != "paged_attention"})
 attention = component(f"{__name__}.attention", "Paged attention by the Triton kernels.",
                       paged_attention=_attention.paged_attention_triton, **_attention_helpers)
 cache_write = component(f"{__name__}.cache_write", "The cache write by the Triton kernel.",
@@ -47,5 +48,8 @@ rotary = component(f"{__name__}.rotary", "RoPE by the Triton kernel.",
                    apply_rotary_emb=_rotary.apply_rotary_emb_triton)
 activation = component(f"{__name__}.activation", "SiLU-and-mul by the Triton kernel.",
                        silu_and_mul=_activation.silu_and_mul_triton)
-#: No Triton kernel for the quantized matmuls yet: the ref's (dequantize, then matmul).
+#: The model runner: the fast twin (a CUDA graph of the model's forward on a GPU; on a
+#: CPU its C++ layer stack needs the C++ ops, so the model's own forward runs). No Triton
+#: kernel for the quantized matmuls yet: the ref's (dequantize, then matmul).
+from minivllm.fast import model_runner  # noqa: E402, F401
 from minivllm.ref import quantization  # noqa: E402, F401

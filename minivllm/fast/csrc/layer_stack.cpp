@@ -2,7 +2,7 @@
 //
 // At batch 1 a SmolLM2 decode step runs 30 layers of 10 kernels each, and most
 // kernels are microseconds of work. Calling them one by one from Python
-// (engine/cpu_fast_path.py's loop) costs a few microseconds each in the
+// (the model's own forward, minivllm/model/llama.py) costs a few microseconds each in the
 // interpreter and the dispatcher, which on a 30-layer model adds up to
 // milliseconds a step: more than the kernels of a small model. A GPU replays a
 // recorded CUDA graph to skip that; a CPU can simply run the same loop in C++.
@@ -19,7 +19,7 @@
 //     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
 //
 // A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4,
-// quant.cpp); the Python side (engine/cpu_layer_stack.py) calls this only where every
+// quant.cpp); the Python side (fast/model_runner.py) calls this only where every
 // projection would take one of those ops anyway (few rows, no bias, one rank),
 // and passes which kind each one is. Buffers for q/k/v, the attention output,
 // gate/up and the activation are allocated once per call and reused by every
@@ -33,7 +33,7 @@
 namespace minivllm {
 namespace {
 
-// Projection kinds, as engine/cpu_layer_stack.py numbers them.
+// Projection kinds, as fast/model_runner.py numbers them.
 constexpr int64_t FLOAT_WEIGHT = 0;  // weight: (N, K) float32 / bf16
 constexpr int64_t INT8_WEIGHT = 1;   // qweight int8 (N, K), scales (N, G)
 constexpr int64_t INT4_WEIGHT = 2;   // qweight uint8 (N, K / 2), scales and mins (N, K / 32)

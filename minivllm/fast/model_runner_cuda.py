@@ -1,4 +1,4 @@
-"""Capture decode steps as CUDA graphs, as vLLM does.
+"""The fast model runner on CUDA: decode steps captured as CUDA graphs, as vLLM does.
 
 A decode step of a small model is a few hundred tiny kernel launches; on a
 fast GPU the CPU cannot launch them as quickly as the GPU runs them. A CUDA
@@ -20,7 +20,10 @@ prefills run eagerly. Graphs need kernels that never synchronise with the
 host, i.e. the fast (Triton) attention and cache write; the ref twins have
 data-dependent shapes (boolean-mask indexing in the cache write, per-sequence
 loops planned from the metadata's host copies), which a graph cannot record,
-so with them the runner is not built (``enforce_eager`` also turns it off).
+so with them the graphs are not captured (``enforce_eager`` also turns them
+off), and the model's own forward runs. A graph records the model's own
+forward (:mod:`minivllm.model.llama`): replaying it is that forward, bit for
+bit, with the launches taken out.
 The static metadata below describes the capture in its host copies; a
 replay only refreshes the device buffers.
 """

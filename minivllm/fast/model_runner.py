@@ -1,0 +1,343 @@
+"""The model runner that takes the host overhead out of a step (twin of the ref).
+
+Read :mod:`minivllm.ref.model_runner` first: a runner runs a step's forward
+pass. The ref calls the model's own forward. This twin runs *the same
+forward* a faster way where it can, and calls the ref's (the model's own
+forward) everywhere else:
+
+- **CUDA**: decode-only steps replay a CUDA graph captured from the model's
+  own forward (:mod:`minivllm.fast.model_runner_cuda`): one launch instead of
+  a few hundred. Prefills run the model's forward.
+- **CPU**: steps of up to a few dozen rows run the whole layer stack in one
+  C++ call (:class:`LayerStack`, below) that calls the very ops the
+  model's kernel components call, in the same order, so the result is bit for
+  bit the model's forward; a long prefill chunk runs the model's forward.
+
+**A whitelist, not a blacklist.** The model declares, by name, every feature
+its forward uses (``LlamaForCausalLM.features``: ``"gqa"``, ``"qkv_bias"``,
+``"qk_norm"``, ``"tensor_parallel"``, ...). Each fast path runs a model only
+if it implements *every* declared feature; anything else runs the model's
+forward, and the reason is logged once. A feature added to the model later is
+therefore never silently computed wrongly: it runs plainly until a fast path
+learns it.
+
+**The CPU path, in detail.** At batch 1 a SmolLM2 decode step runs 30 layers
+of about ten kernels each, and every kernel is small (a 576-wide RMSNorm is a
+microsecond of work). The model's forward pays, per kernel, for things that do
+not change within a step: ``nn.Module.__call__``, a profiler check, the kernel
+wrapper's input checks and casts (repeated in all 30 layers although the
+inputs are the same), an output allocation: milliseconds a step, more than
+the kernels of a small model. :class:`LayerStack` writes the same loop in C++
+(``minivllm/fast/csrc/layer_stack.cpp``, ``torch.ops.minivllm.decode_layers``),
+calling the very C++ ops the model's kernel components call, into buffers
+allocated once per call. :meth:`LayerStack.build` checks once that it may:
+the model declares only features the loop implements
+(:data:`SUPPORTED_FEATURES`), every kernel component is the C++ op (not the
+ref, not a student's package), and every projection is a weight the loop
+multiplies (float32 or bf16, or int8 / int4 :class:`~minivllm.quantized_weight.QuantizedWeight`
+of the fast quantization twin, GGUF blocks included) without a bias;
+:meth:`LayerStack.can_run` checks per step that every projection is a GEMV at
+that many rows (a long prefill chunk runs the model's forward, whose GEMMs
+dominate it).
+
+**The model's forward wins** where a reader or a tool needs it:
+``enforce_eager=True`` (a breakpoint in ``LlamaDecoderLayer.forward`` fires
+on every step, on every device), and while a torch profiler records
+(:func:`minivllm.profiler.is_recording`), so that the op table names every
+kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from minivllm.metadata import ModelInput
+from minivllm.profiler import is_recording
+from minivllm.quantized_weight import QuantizedWeight
+from minivllm.ref import model_runner as _ref
+
+__all__ = ["ModelRunner"]
+
+logger = logging.getLogger("minivllm")
+
+#: The model features a CUDA graph of the model's forward can replay (one device:
+#: no collectives inside the graph, and a whole model, not a pipeline stage).
+CUDA_GRAPH_FEATURES = frozenset({
+    "embedding", "rms_norm", "qkv_proj", "qkv_bias", "qk_norm", "gqa", "rope",
+    "paged_attention", "o_proj", "o_bias", "silu_gated_mlp", "mlp_bias", "final_norm",
+    "tied_embeddings",
+})
+
+
+class ModelRunner(_ref.ModelRunner):
+    """Runs a model's forward pass, the same bits faster (see the module docstring).
+
+    Args:
+        model: a :class:`~minivllm.model.llama.LlamaForCausalLM` (or a
+            pipeline stage of one, or a ``first_layers`` view of one).
+        kv_caches: one ``(k_cache, v_cache)`` pair per layer the model holds.
+        max_num_seqs: the largest decode batch a CUDA graph is captured for.
+        max_model_len: the longest sequence (sizes the graphs' block tables);
+            None: the model's ``max_position_embeddings``.
+        block_size: tokens per KV block.
+        enforce_eager: always run the model's own forward.
+
+    Attributes:
+        layer_stack: the C++ layer stack, or None.
+        cuda_graphs: the captured CUDA graphs, or None.
+        fallback_reason: why neither runs (None if one does).
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 *, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 block_size: int = 16, enforce_eager: bool = False) -> None:
+        super().__init__(model, kv_caches, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len, block_size=block_size,
+                         enforce_eager=enforce_eager)
+        self.layer_stack = None
+        self.cuda_graphs = None
+        if enforce_eager:
+            self.fallback_reason = "enforce_eager=True"
+        elif kv_caches and kv_caches[0][0].device.type == "cuda":
+            if max_model_len is None:
+                max_model_len = model.config.max_position_embeddings
+            self.fallback_reason = self._capture(max_num_seqs, max_model_len, block_size)
+        else:
+            built = LayerStack.build(model, kv_caches)
+            self.layer_stack = None if isinstance(built, str) else built
+            self.fallback_reason = built if isinstance(built, str) else None
+        if self.fallback_reason is not None:
+            logger.info("minivllm: the model runner runs the model's own forward: %s",
+                        self.fallback_reason)
+
+    def _capture(self, max_num_seqs: int, max_model_len: int, block_size: int) -> str | None:
+        """Capture the decode graphs; the reason if they cannot be."""
+        from minivllm.fast import attention, cache_write
+        from minivllm.fast.model_runner_cuda import CUDAGraphRunner
+
+        model = self.model
+        unsupported = sorted(model.features - CUDA_GRAPH_FEATURES)
+        if unsupported:
+            return f"a CUDA graph does not replay {', '.join(unsupported)}"
+        graph_safe = ({attention.paged_attention, attention.paged_attention_triton},
+                      {cache_write.reshape_and_cache, cache_write.reshape_and_cache_triton})
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if attn.ops_attn.paged_attention not in graph_safe[0] or \
+                    attn.ops_cache.reshape_and_cache not in graph_safe[1]:
+                return ("CUDA graphs need the fast attention and cache_write (the ref twins "
+                        "synchronise with the host)")
+        try:
+            runner = CUDAGraphRunner(model, self.kv_caches, max_num_seqs, max_model_len,
+                                     block_size)
+            runner.capture()
+        except Exception as e:  # noqa: BLE001 -- any capture failure means: run eagerly
+            logger.warning("minivllm: CUDA graph capture failed (%s); running eagerly", e)
+            return f"CUDA graph capture failed ({e})"
+        self.cuda_graphs = runner
+        return None
+
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        """``("cpu_layer_stack",)``, ``("cuda_graphs",)``, or ``()`` where neither runs."""
+        return tuple(name for name, path in (("cpu_layer_stack", self.layer_stack),
+                                             ("cuda_graphs", self.cuda_graphs))
+                     if path is not None)
+
+    def describe(self) -> str:
+        """How the forward runs, in words (the engine logs it at start-up)."""
+        if self.layer_stack is not None:
+            return (f"the C++ layer stack for steps of up to {self.layer_stack.max_rows} "
+                    "tokens, else the model's own forward")
+        if self.cuda_graphs is not None:
+            return (f"CUDA graphs for decode batches of up to {self.cuda_graphs.max_bs}, "
+                    "else the model's own forward")
+        return f"the model's own forward ({self.fallback_reason})"
+
+    @torch.inference_mode()
+    def execute_model(self, model_input: ModelInput, intermediate_tensors: Any = None) -> Any:
+        """The model's forward over one step, by the fastest path that runs it exactly."""
+        if not is_recording():
+            if self.layer_stack is not None and self.layer_stack.can_run(model_input):
+                return self.layer_stack.run(model_input)
+            if self.cuda_graphs is not None and self.cuda_graphs.can_run(model_input):
+                return self.cuda_graphs.run(model_input)
+        return super().execute_model(model_input, intermediate_tensors)
+
+
+# ----------------------------------------------------------------------------- the CPU path
+
+#: The model features (``LlamaForCausalLM.features``) the C++ loop implements.
+SUPPORTED_FEATURES = frozenset({
+    "embedding", "rms_norm", "qkv_proj", "gqa", "rope", "paged_attention", "o_proj",
+    "silu_gated_mlp", "final_norm", "tied_embeddings",
+})
+
+#: ``kinds`` values, as ``layer_stack.cpp`` reads them.
+FLOAT_WEIGHT, INT8_WEIGHT, INT4_WEIGHT = 0, 1, 2
+
+#: (module attribute holding the component, function name) -> the C++ op it must be.
+_REQUIRED_OPS = MappingProxyType({
+    ("layernorm", "fused_add_rms_norm"): "fused_add_rms_norm",
+    ("layernorm", "rms_norm"): "rms_norm",
+    ("rotary", "apply_rotary_emb"): "rotary_embedding",
+    ("cache_write", "reshape_and_cache"): "reshape_and_cache",
+    ("attention", "paged_attention"): "paged_attention",
+    ("activation", "silu_and_mul"): "silu_and_mul",
+})
+
+
+def _cpp_functions() -> dict[tuple[str, str], set]:
+    """The Python functions that are thin wrappers over the C++ ops, per component."""
+    from minivllm.fast import activation, attention, cache_write, layernorm, rotary
+
+    mods = dict(layernorm=layernorm, rotary=rotary, cache_write=cache_write,
+                attention=attention, activation=activation)
+    # ``fast.X.f`` dispatches on the device to ``f_cpu``; ``fast.cpu`` serves ``f_cpu``.
+    return {key: {getattr(mods[key[0]], key[1]), getattr(mods[key[0]], key[1] + "_cpu")}
+            for key in _REQUIRED_OPS}
+
+
+def _components_why_not(model: torch.nn.Module) -> str | None:
+    """None if every kernel the model calls is the C++ op; else which one is not."""
+    inner = model.model
+    layers = inner.layers
+    found = {
+        ("layernorm", "fused_add_rms_norm"): [l.input_layernorm.ops.fused_add_rms_norm
+                                              for l in layers],
+        ("layernorm", "rms_norm"): [inner.norm.ops.rms_norm],
+        ("rotary", "apply_rotary_emb"): [inner.rotary_emb.ops.apply_rotary_emb],
+        ("cache_write", "reshape_and_cache"): [l.self_attn.ops_cache.reshape_and_cache
+                                               for l in layers],
+        ("attention", "paged_attention"): [l.self_attn.ops_attn.paged_attention for l in layers],
+        ("activation", "silu_and_mul"): [l.mlp.ops_act.silu_and_mul for l in layers],
+    }
+    cpp = _cpp_functions()
+    for key, fns in found.items():
+        if any(f not in cpp[key] for f in fns):
+            return f"{key[0]} is not the C++ op"
+    return None
+
+
+def _projection(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor]] | str:
+    """``(kind, [weight, scales, mins])`` for one projection, or why the C++ loop can't run it."""
+    from minivllm.fast import linear as fast_linear
+    from minivllm.fast import quantization as fast_quantization
+
+    if not isinstance(layer, (fast_linear.ColumnParallelLinear, fast_linear.RowParallelLinear)):
+        return f"{type(layer).__name__} is not the fast linear twin"
+    if layer.bias is not None:
+        return "a projection has a bias"
+    w = layer.weight
+    if isinstance(w, QuantizedWeight):
+        if w.ops is not fast_quantization or w.qweight.dim() != 2 or w.method not in ("int8", "int4"):
+            return "a quantized weight not served by the fast quantization twin"
+        if w.method == "int8":
+            return INT8_WEIGHT, [w.qweight, w.scales, w.scales]
+        return INT4_WEIGHT, [w.qweight, w.scales, w.mins]
+    if (w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous()
+            or w.dtype not in (torch.float32, torch.bfloat16)):
+        return f"a {w.dtype} {tuple(w.shape)} weight"
+    return FLOAT_WEIGHT, [w, w, w]  # scales, mins: unused placeholders
+
+
+class LayerStack:
+    """The model's forward as one C++ call: everything that does not change per step, bound once.
+
+    Build it with :meth:`build` (it returns the reason instead where it
+    cannot run); :meth:`run` takes a step's :class:`~minivllm.metadata.ModelInput`
+    and returns the final hidden states, exactly as the model's forward would.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches, kinds: list[int],
+                 weights: list[torch.Tensor]) -> None:
+        from minivllm.fast import cpu_ops
+        from minivllm.fast import linear as fast_linear
+        from minivllm.fast import quantization as fast_quantization
+
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        self.embed = inner.embed_tokens.forward
+        self.final_norm, self.eps = inner.norm.weight, inner.norm.eps
+        self.cos_sin_cache = inner.rotary_emb.cos_sin_cache.float().contiguous()
+        self.is_neox = bool(inner.rotary_emb.is_neox_style)
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+        self.kinds, self.weights = kinds, weights
+        self.norms = [n.weight for l in inner.layers
+                      for n in (l.input_layernorm, l.post_attention_layernorm)]
+        self.norm_eps = [float(n.eps) for l in inner.layers
+                         for n in (l.input_layernorm, l.post_attention_layernorm)]
+        self.k_caches = [k for k, _ in kv_caches]
+        self.v_caches = [v for _, v in kv_caches]
+        limits = {FLOAT_WEIGHT: fast_linear.GEMV_MAX_ROWS,
+                  INT8_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
+                  INT4_WEIGHT: fast_quantization.GEMV_MAX_ROWS}
+        #: Most rows (tokens in a step) for which every projection is a GEMV.
+        self.max_rows = min(limits[k] for k in kinds)
+        ops = cpu_ops.ops()
+        # The overloads themselves: skips the OpOverloadPacket lookup on every call.
+        self._decode_layers = ops.decode_layers.default
+        self._fused_add_rms_norm = ops.fused_add_rms_norm.default
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_caches) -> LayerStack | str:
+        """The stack for ``model`` over ``kv_caches``, or the reason it cannot run."""
+        from minivllm.fast import cpu_ops
+
+        if not kv_caches or kv_caches[0][0].device.type != "cpu":
+            return "not on a CPU"
+        if not cpu_ops.available():
+            return f"the C++ ops did not build ({cpu_ops.unavailable_reason()})"
+        unsupported = sorted(model.features - SUPPORTED_FEATURES)
+        if unsupported:
+            return f"the C++ layer stack does not implement {', '.join(unsupported)}"
+        why = _components_why_not(model)
+        if why is not None:
+            return why
+        layers = model.model.layers
+        if len(layers) != len(kv_caches):
+            return "one KV cache a layer"
+        dtype = kv_caches[0][0].dtype
+        norms = [model.model.norm.weight] + [n.weight for l in layers for n in
+                                             (l.input_layernorm, l.post_attention_layernorm)]
+        if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+            return "norm weights differ in dtype from the activations"
+        kinds: list[int] = []
+        weights: list[torch.Tensor] = []
+        for layer in layers:
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                got = _projection(proj)
+                if isinstance(got, str):
+                    return got
+                kinds.append(got[0])
+                weights += got[1]
+        return cls(model, kv_caches, kinds, weights)
+
+    def can_run(self, model_input: ModelInput) -> bool:
+        """True if every projection of this step is a GEMV (few rows) and there is a token."""
+        rows = model_input.input_ids.shape[0]
+        return 0 < rows <= self.max_rows and model_input.attn_metadata.num_seqs > 0
+
+    @torch.inference_mode()
+    def run(self, model_input: ModelInput) -> torch.Tensor:  # (num_tokens, hidden)
+        """The decoder over one step's flat batch; writes its K/V into the caches."""
+        md = model_input.attn_metadata
+        num_heads, num_kv_heads, head_dim, scale = self.shape
+        residual = self.embed(model_input.input_ids)  # (T, hidden): the residual stream
+        hidden = torch.empty_like(residual)
+        self._decode_layers(
+            hidden, residual,
+            model_input.positions.to(torch.int64).contiguous(),  # (T,)
+            md.slot_mapping.to(torch.int64).contiguous(),  # (T,)
+            md.block_tables.to(torch.int32),  # (num_seqs, max_blocks)
+            md.seq_lens.to(torch.int32),  # (num_seqs,)
+            md.query_start_loc.to(torch.int32),  # (num_seqs + 1,)
+            self.cos_sin_cache, self.is_neox, self.norms, self.norm_eps, self.weights,
+            self.kinds, self.k_caches, self.v_caches, num_heads, num_kv_heads, head_dim, scale)
+        self._fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
+        return hidden
