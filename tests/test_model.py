@@ -14,7 +14,7 @@ import torch
 from conftest import TINY_VOCAB, PagedRunner, hf_model
 
 from minivllm.model import load_model
-from minivllm.model.llama import get_model_class
+from minivllm.model.architectures import get_model_class
 
 ATOL = RTOL = 1e-4  # fp32 end to end
 

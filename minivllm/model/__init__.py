@@ -1,6 +1,8 @@
 """The Llama-family model and its loaders.
 
 - :mod:`minivllm.model.llama`: the decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
+- :mod:`minivllm.model.architectures`: which class serves an HF config.
+- :mod:`minivllm.model.weights`: checkpoint tensors into the fused parameters.
 - :mod:`minivllm.model.rope`: the rotary-embedding cache and its scaling variants.
 - :mod:`minivllm.model.loader`: :func:`load_model` from an HF directory, a GGUF
   file or a registered name.
@@ -9,7 +11,8 @@
   into a local cache.
 """
 
-from minivllm.model.llama import LlamaForCausalLM, get_model_class
+from minivllm.model.architectures import get_model_class
+from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import ModelNotFoundError, load_model, resolve_model_path
 from minivllm.model.registry import ensure_model
 

@@ -31,11 +31,20 @@ Variants are switched by the HF config:
   later Mistral versions set ``sliding_window`` to null), so the engine caps
   ``max_model_len`` at ``sliding_window`` (see docs/models.md).
 
+**Features, declared.** Every module records, in ``self.features``, the
+switches it took from the config (``"gqa"``, ``"qkv_bias"``, ``"qk_norm"``,
+``"tensor_parallel"``, ...), and :class:`LlamaForCausalLM` collects them. The
+fast model runner (:mod:`minivllm.fast.model_runner`) runs a model only if it
+implements every feature the model declares, and runs this forward
+otherwise; so a switch added here must be declared here too, or a fast path
+would compute it wrongly (``tests/test_model_runner.py`` checks every
+registered architecture bit for bit).
+
 The kernels come from the swap layer (:mod:`minivllm.backend`): the engine's
 :class:`~minivllm.backend.Components` record is passed to every layer when
 the model is built, so ``ref`` and ``fast`` run the same model code.
 
-Each kernel call sits in an :func:`op_range` (``op.linear``, ``op.attention``,
+Each kernel call sits in an :func:`~minivllm.profiler.op_range` (``op.linear``, ``op.attention``,
 ...) and each decoder layer in a ``layer.{i}`` range; they exist only while a
 torch profiler records (:class:`minivllm.Profiler` sums them into its op table).
 """
@@ -43,7 +52,6 @@ torch profiler records (:class:`minivllm.Profiler` sums them into its op table).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -52,19 +60,8 @@ from torch import nn
 from minivllm import backend
 from minivllm.metadata import AttentionMetadata
 from minivllm.model.rope import get_rope, rope_params_from_config
-
-
-def op_range(name: str) -> AbstractContextManager:
-    """A profiler range called ``name`` while a torch profiler records; otherwise a no-op.
-
-    ``record_function`` costs about 7 µs even when nothing records (measured on
-    the 2-core development machine), i.e. ~2 ms per step for 30 layers with
-    ten ranges each. Asking the profiler whether it is on costs 0.3-1 µs, so
-    the ranges follow the profiler itself: no flag for anyone to flip.
-    """
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return nullcontext()
+from minivllm.model.weights import load_hf_weights
+from minivllm.profiler import op_range
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks, bs, H_kv, D)
 
@@ -78,6 +75,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.ops = backend.as_components(components).layernorm
+        self.features = frozenset({"rms_norm"})
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -146,6 +144,11 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.ops_cache = components.cache_write
         self.ops_attn = components.attention
+        self.features = frozenset(
+            {"qkv_proj", "rope", "paged_attention", "o_proj"}
+            | ({"gqa"} if total_kv_heads < total_heads else set())
+            | ({"qkv_bias"} if qkv_bias else set()) | ({"o_bias"} if o_bias else set())
+            | ({"qk_norm"} if self.q_norm is not None else set()))
 
     def forward(
         self,
@@ -193,6 +196,7 @@ class LlamaMLP(nn.Module):
             inter, config.hidden_size, bias=bias, tp_size=tp_size
         )
         self.ops_act = components.activation
+        self.features = frozenset({"silu_gated_mlp"} | ({"mlp_bias"} if bias else set()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         with op_range("op.linear"):
@@ -215,6 +219,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary_emb, tp_size, components)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, components)
         self.mlp = LlamaMLP(config, tp_size, components)
+        self.features = (self.input_layernorm.features | self.self_attn.features
+                         | self.post_attention_layernorm.features | self.mlp.features)
 
     def forward(
         self,
@@ -284,6 +290,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, components)
                      if self.is_last_rank else PPMissingLayer())
+        held = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
+        self.features = frozenset().union(
+            *(layer.features for layer in held),
+            {"embedding"} if self.is_first_rank else (),
+            {"final_norm"} if self.is_last_rank else (),
+            {"pipeline_stage"} if pp_size > 1 else (),
+            {"tensor_parallel"} if tp_size > 1 else ())
 
     def forward(
         self,
@@ -326,6 +339,9 @@ class LlamaForCausalLM(nn.Module):
                                                  tp_size=tp_size)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight  # one shared matrix
+        #: Every feature this model's forward uses, by name (see the module docstring).
+        self.features: frozenset[str] = self.model.features | (
+            {"tied_embeddings"} if self.tie_word_embeddings else set())
 
     def forward(
         self,
@@ -373,10 +389,12 @@ class LlamaForCausalLM(nn.Module):
         inner.start_layer, inner.end_layer = 0, num_layers
         inner.is_first_rank = inner.is_last_rank = True
         inner.pipeline = self.model.pipeline
+        inner.features = self.model.features
         view = cls.__new__(cls)
         nn.Module.__init__(view)
         view.config, view.tp_size = self.config, self.tp_size
         view.tie_word_embeddings = self.tie_word_embeddings
+        view.features = self.features
         view.model = inner
         view.lm_head = self.lm_head
         return view
@@ -389,54 +407,19 @@ class LlamaForCausalLM(nn.Module):
             return None
         return logits[..., : self.config.vocab_size].float()  # drop any TP vocab padding
 
-    # -- weights -------------------------------------------------------------
-
-    #: checkpoint name piece -> (our fused parameter's name piece, shard id)
-    stacked_params_mapping = [
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    ]
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into our (fused) parameters.
+        """Copy HF-named checkpoint tensors into our (fused) parameters; their names.
 
-        ``weights`` yields ``(name, tensor)`` pairs such as
-        ``("model.layers.0.self_attn.q_proj.weight", W_q)``; the tensors may be
-        of any dtype and are cast to each parameter's. Returns the names of the
-        parameters loaded. Raises ``ValueError`` on an unexpected name, a shape
-        mismatch, or a parameter no checkpoint tensor filled.
+        Skips what the checkpoint may carry that this model does not hold: old
+        RoPE buffers, a tied LM head (the embedding is it) and other pipeline
+        stages' tensors. The rest is :func:`minivllm.model.weights.load_hf_weights`.
         """
-        params = dict(self.named_parameters())  # a tied lm_head appears once, as the embedding
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
-                continue  # recomputed buffers some old checkpoints carry
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: the embedding matrix is the LM head
-            if self.is_pp_missing(name):
-                continue  # another pipeline stage loads it
-            target, shard_id = self._fused_name(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"unexpected weight {name!r} in checkpoint (no parameter {target!r})"
-                )
-            loader = getattr(param, "weight_loader", None)
-            try:
-                if shard_id is None:
-                    (loader or _copy_weight)(param, tensor.to(param.dtype))
-                else:
-                    loader(param, tensor.to(param.dtype), shard_id)
-            except (RuntimeError, ValueError) as e:
-                raise ValueError(f"cannot load {name!r} into {target!r}: {e}") from e
-            loaded.add(f"{target}:{shard_id}" if shard_id is not None else target)
-        missing = self._missing_weights(loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {sorted(missing)}")
-        return {n.split(":")[0] for n in loaded}
+        def skip(name: str) -> bool:
+            return ("rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name
+                    or (name == "lm_head.weight" and self.tie_word_embeddings)
+                    or self.is_pp_missing(name))
+
+        return load_hf_weights(self, weights, skip)
 
     def is_pp_missing(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to a module of another pipeline stage."""
@@ -449,34 +432,6 @@ class LlamaForCausalLM(nn.Module):
         return any(name.startswith(p) and isinstance(m, PPMissingLayer)
                    for p, m in module.items())
 
-    def _fused_name(self, name: str) -> tuple[str, str | int | None]:
-        """``(our parameter name, shard id)`` for a checkpoint name (shard None: whole)."""
-        for fused, piece, shard_id in self.stacked_params_mapping:
-            if piece in name:
-                return name.replace(piece, fused), shard_id
-        return name, None
-
-    def _missing_weights(self, loaded: set[str]) -> list[str]:
-        """Parameters (or fused shards) that no checkpoint tensor filled."""
-        missing = []
-        for name, _ in self.named_parameters():
-            if ".qkv_proj." in name:
-                shards = [f"{name}:{s}" for s in ("q", "k", "v")]
-            elif ".gate_up_proj." in name:
-                shards = [f"{name}:{s}" for s in (0, 1)]
-            else:
-                shards = [name]
-            if name in loaded:  # an already-fused checkpoint tensor
-                continue
-            missing += [s for s in shards if s not in loaded]
-        return missing
-
-
-def _copy_weight(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"weight shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
-    param.data.copy_(tensor)
-
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5: Llama with a bias on q/k/v (switched on by ``model_type``)."""
@@ -488,28 +443,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama's architecture; max_model_len is capped at ``sliding_window`` (see above)."""
-
-
-#: ``config.architectures[0]`` -> model class.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-#: ``config.model_type`` -> architecture name, for configs without ``architectures``.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def get_model_class(config: Any) -> type[LlamaForCausalLM]:
-    """The model class for an HF config; ``ValueError`` if we do not support it."""
-    archs = list(getattr(config, "architectures", None) or [])
-    model_type = getattr(config, "model_type", None)
-    name = archs[0] if archs else MODEL_TYPES.get(model_type)
-    if name not in MODEL_REGISTRY or MODEL_TYPES.get(model_type) != name:
-        raise ValueError(
-            f"unsupported architecture {name or archs!r} (model_type={model_type!r}); "
-            f"supported: {sorted(MODEL_REGISTRY)}"
-        )
-    return MODEL_REGISTRY[name]
