@@ -19,6 +19,26 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+#: The range of ``block_size`` (tokens per KV block): the one place it is written.
+BLOCK_SIZE_RANGE = (1, 256)
+
+
+def check_block_size(block_size: object) -> None:
+    """Raise ``ValueError`` unless ``block_size`` is an int in :data:`BLOCK_SIZE_RANGE`."""
+    lo, hi = BLOCK_SIZE_RANGE
+    _require(isinstance(block_size, int) and not isinstance(block_size, bool)
+             and lo <= block_size <= hi, "block_size", block_size, f"an int in [{lo}, {hi}]")
+
+
+def check_chunked_prefill(enable_chunked_prefill: bool, max_num_batched_tokens: int,
+                          max_model_len: int | None) -> None:
+    """Without chunked prefill a whole prompt must fit in one step's token budget."""
+    if not enable_chunked_prefill and max_model_len is not None:
+        _require(max_num_batched_tokens >= max_model_len, "max_num_batched_tokens",
+                 max_num_batched_tokens,
+                 f">= max_model_len={max_model_len} when chunked prefill is off")
+
+
 @dataclass
 class CacheConfig:
     """The paged KV cache: how many blocks, of how many tokens each.
@@ -36,7 +56,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(1 <= self.block_size <= 256, "block_size", self.block_size, "in [1, 256]")
+        check_block_size(self.block_size)
         _require(self.num_blocks >= 0, "num_blocks", self.num_blocks, ">= 0")
 
 
@@ -74,10 +94,5 @@ class SchedulerConfig:
             ">= 1",
         )
         _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
-        if not self.enable_chunked_prefill:
-            _require(
-                self.max_num_batched_tokens >= self.max_model_len,
-                "max_num_batched_tokens",
-                self.max_num_batched_tokens,
-                f">= max_model_len={self.max_model_len} when chunked prefill is off",
-            )
+        check_chunked_prefill(self.enable_chunked_prefill, self.max_num_batched_tokens,
+                              self.max_model_len)

@@ -32,9 +32,10 @@ point to point (``send``/``recv``) on the world device group: gloo on a CPU,
 NCCL on CUDA. With one stage the tensor-parallel groups are the world, as
 before.
 
-Collective timing: :func:`enable_collective_timing` makes every collective
-record its wall time (synchronising the device first, on CUDA), read back by
-:func:`get_collective_stats`; ``python -m minivllm.bench tp`` uses it.
+Collective timing: a :class:`CollectiveStats` passed to :func:`init_distributed`
+(``MultiprocExecutor(..., collective_stats=stats)``) gets the wall time of
+every collective this process runs (synchronising the device first, on CUDA);
+``python -m minivllm.bench tp`` reads rank 0's. Without one nothing is timed.
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ _CPU_GROUP: dist.ProcessGroup | None = None
 _CONTROL_GROUP: dist.ProcessGroup | None = None
 _WORLD_CPU_GROUP: dist.ProcessGroup | None = None
 _WORLD_CONTROL_GROUP: dist.ProcessGroup | None = None
+_STATS: CollectiveStats | None = None  # given by init_distributed: what to time into
 
 #: How long an idle worker waits for the next command (see the module docstring).
 CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str = "gloo",
-                     timeout_s: float = 60.0, tp_size: int | None = None) -> None:
+                     timeout_s: float = 60.0, tp_size: int | None = None,
+                     collective_stats: CollectiveStats | None = None) -> None:
     """Join the group as ``rank`` of ``world_size`` (``tp_size`` ranks per pipeline stage).
 
     Args:
@@ -71,9 +74,11 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
         timeout_s: how long a collective may wait for a peer before raising.
         tp_size: ranks per tensor-parallel group (default ``world_size``: one stage).
+        collective_stats: where this process's collectives add their wall time
+            while it is in the group (None: they are not timed).
     """
     global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _CPU_GROUP, _CONTROL_GROUP
-    global _WORLD_CPU_GROUP, _WORLD_CONTROL_GROUP
+    global _WORLD_CPU_GROUP, _WORLD_CONTROL_GROUP, _STATS
     tp_size = world_size if tp_size is None else tp_size
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -108,12 +113,13 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str 
     _WORLD_CPU_GROUP, _WORLD_CONTROL_GROUP = world_cpu, world_control
     _PP_RANK, _TP_RANK = divmod(rank, tp_size)
     _PP_SIZE, _TP_SIZE = pp_size, tp_size
+    _STATS = collective_stats
 
 
 def destroy_distributed() -> None:
     """Leave the group (safe to call twice, or after a peer died)."""
     global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _CPU_GROUP, _CONTROL_GROUP
-    global _WORLD_CPU_GROUP, _WORLD_CONTROL_GROUP
+    global _WORLD_CPU_GROUP, _WORLD_CONTROL_GROUP, _STATS
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -121,6 +127,7 @@ def destroy_distributed() -> None:
             pass
     _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE = 0, 1, 0, 1
     _TP_GROUP = _CPU_GROUP = _CONTROL_GROUP = _WORLD_CPU_GROUP = _WORLD_CONTROL_GROUP = None
+    _STATS = None
 
 
 def is_initialized() -> bool:
@@ -180,35 +187,20 @@ def get_world_control_group() -> dist.ProcessGroup | None:
 
 @dataclass
 class CollectiveStats:
-    """Wall time spent in collectives since the last reset, and whether it is being recorded."""
+    """Wall time spent in collectives: give one to :func:`init_distributed` to record it."""
 
     calls: int = 0
     seconds: float = 0.0
     bytes: int = 0
-    enabled: bool = False
 
-
-#: Part of the group's state: this process's collective counters (off by default).
-_STATS = CollectiveStats()
-
-
-def enable_collective_timing(enabled: bool = True) -> None:
-    """Record the wall time of every collective (costs a device sync on CUDA)."""
-    _STATS.enabled = enabled
-
-
-def get_collective_stats() -> CollectiveStats:
-    """A copy of the counters."""
-    return CollectiveStats(_STATS.calls, _STATS.seconds, _STATS.bytes, _STATS.enabled)
-
-
-def reset_collective_stats() -> None:
-    """Zero the counters."""
-    _STATS.calls, _STATS.seconds, _STATS.bytes = 0, 0.0, 0
+    def reset(self) -> None:
+        """Zero the counters."""
+        self.calls, self.seconds, self.bytes = 0, 0.0, 0
 
 
 def _timed(fn, x: torch.Tensor):  # noqa: ANN001, ANN202  (a tiny wrapper)
-    if not _STATS.enabled:
+    stats = _STATS
+    if stats is None:
         return fn()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)  # do not bill the collective for earlier kernels
@@ -216,9 +208,9 @@ def _timed(fn, x: torch.Tensor):  # noqa: ANN001, ANN202  (a tiny wrapper)
     out = fn()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
-    _STATS.calls += 1
-    _STATS.seconds += time.perf_counter() - start
-    _STATS.bytes += x.numel() * x.element_size()
+    stats.calls += 1
+    stats.seconds += time.perf_counter() - start
+    stats.bytes += x.numel() * x.element_size()
     return out
 
 

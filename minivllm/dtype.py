@@ -17,16 +17,17 @@ import functools
 import logging
 import platform
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
 logger = logging.getLogger("minivllm")
 
-DTYPES = {
+DTYPES = MappingProxyType({
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}  # fmt: skip
+})  # fmt: skip
 
 #: CPU flags (``/proc/cpuinfo``) that mean native bf16 dot products.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")

@@ -14,9 +14,9 @@ swap layer):
 
 - :class:`IntermediateTensors`: what one stage hands to the next;
 - :func:`stage_layer_ranges`: every stage's ``[start, end)`` layers, from the
-  rule or from an explicit partition (``pp_layer_partition`` /
-  ``$MINIVLLM_PP_LAYER_PARTITION``, like vLLM's ``VLLM_PP_LAYER_PARTITION``),
-  validated;
+  rule or from an explicit partition (``pp_layer_partition``; the engine
+  config reads ``$MINIVLLM_PP_LAYER_PARTITION``, like vLLM's
+  ``VLLM_PP_LAYER_PARTITION``, into it), validated;
 - :func:`check_pp_size` and :func:`valid_pp_sizes`: the one size check;
 - the rank layout (:func:`global_rank`, :func:`rank_coords`): tensor-parallel
   ranks are the inner index, as in vLLM, so ``rank = pp_rank * tp_size + tp_rank``.
@@ -24,14 +24,11 @@ swap layer):
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-#: The environment variable that fixes the layers per stage, e.g. ``"4,3,3"``.
-PP_PARTITION_ENV = "MINIVLLM_PP_LAYER_PARTITION"
 
 
 @dataclass(frozen=True)
@@ -91,26 +88,24 @@ def parse_partition(partition: str | tuple[int, ...] | list[int] | None) -> tupl
     return tuple(partition)
 
 
-def stage_layer_ranges(num_layers: int, pp_size: int, partition: Any = None,
-                       get_pp_indices: Any = None) -> list[tuple[int, int]]:
+def stage_layer_ranges(num_layers: int, pp_size: int, partition: Any,
+                       get_pp_indices: Callable[[int, int, int], tuple[int, int]],
+                       ) -> list[tuple[int, int]]:
     """Every stage's ``(start, end)`` layers, in stage order; ONE place decides the split.
 
     Args:
         num_layers: the model's ``num_hidden_layers``.
         pp_size: number of stages.
-        partition: layers per stage (``"4,3,3"`` or ``(4, 3, 3)``); None reads
-            ``$MINIVLLM_PP_LAYER_PARTITION``, and if that is unset too the rule
-            decides. Must have ``pp_size`` entries, each >= 1, summing to
+        partition: layers per stage (``"4,3,3"`` or ``(4, 3, 3)``), or None for
+            the rule. Must have ``pp_size`` entries, each >= 1, summing to
             ``num_layers``.
         get_pp_indices: the rule ``(num_layers, pp_rank, pp_size) -> (start, end)``
-            (the engine passes its ``pipeline`` component's); None takes the ref's.
+            (the engine passes its ``pipeline`` component's).
 
     The ranges are checked to tile ``[0, num_layers)`` in order, whoever
     computed them, so a wrong rule fails here, before any weight is loaded.
     """
     check_pp_size(pp_size, num_layers)
-    if partition is None:
-        partition = os.environ.get(PP_PARTITION_ENV) or None
     sizes = parse_partition(partition)
     if sizes is not None:
         if len(sizes) != pp_size or any(s < 1 for s in sizes) or sum(sizes) != num_layers:
@@ -120,8 +115,6 @@ def stage_layer_ranges(num_layers: int, pp_size: int, partition: Any = None,
             )
         starts = [sum(sizes[:r]) for r in range(pp_size)]
         return [(s, s + n) for s, n in zip(starts, sizes)]
-    if get_pp_indices is None:
-        from minivllm.ref.pipeline import get_pp_indices
     ranges = [tuple(get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
     ends = [0] + [end for _, end in ranges]
     if any(start != ends[r] or end <= start for r, (start, end) in enumerate(ranges)) \

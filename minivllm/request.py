@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from types import MappingProxyType
 
 from minivllm.sampling_params import SamplingParams
 
@@ -35,12 +36,12 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASON.get(status)
 
 
-_FINISH_REASON = {
+_FINISH_REASON = MappingProxyType({
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
-}
+})
 
 
 class Request:

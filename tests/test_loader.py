@@ -252,3 +252,29 @@ def test_smollm2_matches_transformers_gguf_reader(smollm2_dir):
             ref = hf(torch.tensor([t])).logits[0]
         torch.testing.assert_close(ours[i], ref, atol=2e-3, rtol=1e-3)
         assert torch.equal(ours[i].argmax(-1), ref.argmax(-1))
+
+
+def test_parameters_are_built_in_their_dtype_without_a_process_default(tiny_model_dir,
+                                                                        monkeypatch):
+    """No ``torch.set_default_dtype``: two models of different dtypes built at once, in two
+    threads, each get their own dtype, and the process's default is never touched."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def refuse(dtype):
+        raise AssertionError("the loader must not change the process-wide default dtype")
+
+    monkeypatch.setattr(torch, "set_default_dtype", refuse)
+    path = str(tiny_model_dir("llama"))
+    before = torch.get_default_dtype()
+
+    def build(dtype):
+        model, _, _ = load_model(path, dtype=dtype, device="cpu", components="ref")
+        # The RoPE cache stays float32 by design; every parameter takes the model's dtype.
+        return ({p.dtype for p in model.parameters()},
+                model.model.rotary_emb.cos_sin_cache.dtype)
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float16] * 2
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(build, dtypes))
+    assert got == [({d}, torch.float32) for d in dtypes]
+    assert torch.get_default_dtype() == before

@@ -37,6 +37,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -182,11 +183,11 @@ def bench_scheduler(impl: str, num_reqs: int, repeats: int) -> float:
 
 # -- driver ------------------------------------------------------------------------------
 
-BENCHMARKS = {
+BENCHMARKS = MappingProxyType({
     "allocator": (bench_allocator, 5),
     "block_table": (bench_block_table, 20),
     "scheduler": (bench_scheduler, 20),
-}
+})
 
 
 def run(sizes: tuple[int, ...] = SIZES, repeat_scale: float = 1.0,

@@ -30,7 +30,7 @@ import random
 import time
 from pathlib import Path
 
-PASSAGES = [
+PASSAGES = (
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. "
     "Every night its keeper climbed the narrow stairs, lit the great lamp, and watched "
     "the ships pass safely through the dark water below.",
@@ -41,8 +41,8 @@ PASSAGES = [
     "small structures called chloroplasts.",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
     "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n",
-]
-CHANGES = [("hundred", "thousand"), ("total", "amount"), ("green", "most"), ("items", "data")]
+)
+CHANGES = (("hundred", "thousand"), ("total", "amount"), ("green", "most"), ("items", "data"))
 
 
 def grounded_prompts(tokenizer, n: int) -> list[list[int]]:

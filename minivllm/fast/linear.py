@@ -52,14 +52,12 @@ is built, so build it after :func:`minivllm.distributed.init_distributed`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm import distributed
-from minivllm.ref.quantization import QuantizedWeight
+from minivllm.quantized_weight import QuantizedWeight
 from minivllm.tp_shards import (
     check_qkv_split,
     check_shape,
@@ -115,13 +113,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``torch.ops.minivllm.linear_small_m`` (float32 accumulation; the output has
     ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
-    ``packed`` is :func:`prepack`'s copy of ``weight``: more rows than the GEMV
+    ``packed`` is :func:`prepack_weight`'s copy of ``weight``: more rows than the GEMV
     takes then run oneDNN's GEMM on it.
     A :class:`~minivllm.ref.quantization.QuantizedWeight` multiplies through the
     quantization component it was made with.
     """
     if isinstance(weight, QuantizedWeight):
-        return weight.linear(x, bias)
+        from minivllm.fast.quantization import apply_linear
+
+        return apply_linear(x, weight, bias)
     if not _gemv_applies(x, weight):
         if packed is not None and x.dtype == weight.dtype and not torch.compiler.is_compiling():
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias,
@@ -139,17 +139,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def prepack(weight) -> torch.Tensor | None:
+def prepack_weight(weight) -> torch.Tensor | None:
     """oneDNN's blocked copy of a float CPU weight, for :func:`linear`'s GEMM; else None.
 
     A GEMM library reorders the weight into its blocked layout on every call; with
     a decode batch (64 rows x SmolLM2's 576 features) that reorder is a large part
     of the call. Done once at load it is not repeated (vLLM's CPU backend prepacks
     its oneDNN weights the same way), at the cost of a second copy of each float
-    weight: the small-M GEMV reads the plain one. ``$MINIVLLM_PREPACK=0`` turns it
-    off; quantized weights, CUDA and a torch without oneDNN are never packed.
+    weight: the small-M GEMV reads the plain one. ``EngineConfig.prepack=False``
+    (``$MINIVLLM_PREPACK=0``) turns it off; quantized weights, CUDA and a torch
+    without oneDNN are never packed.
     """
-    if (os.environ.get("MINIVLLM_PREPACK", "1") == "0" or not isinstance(weight, torch.Tensor)
+    if (not isinstance(weight, torch.Tensor)
             or weight.device.type != "cpu" or weight.dim() != 2
             or weight.dtype not in (torch.float32, torch.bfloat16)
             or not torch.backends.mkldnn.is_available()):
@@ -160,17 +161,18 @@ def prepack(weight) -> torch.Tensor | None:
 
 
 class _Prepacked:
-    """A layer whose float weight :func:`prepack` copies once its weights are loaded."""
+    """A layer whose float weight :func:`prepack_weight` copies once its weights are loaded."""
 
     packed_weight: torch.Tensor | None = None
 
-    def process_weights_after_loading(self) -> None:
+    def process_weights_after_loading(self, *, prepack: bool = True) -> None:
         """Called by the loader after every weight is loaded (and quantized).
 
         The weights are final from here: whoever changes ``weight`` later calls
         this again, or the GEMM keeps multiplying by the old packed copy.
+        ``prepack=False`` (``EngineConfig.prepack``) keeps no packed copy.
         """
-        self.packed_weight = prepack(self.weight)
+        self.packed_weight = prepack_weight(self.weight) if prepack else None
 
 
 def _this_rank(tp_size: int) -> int:

@@ -30,13 +30,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
 #: GGUF tensor name (after ``blk.N.``) -> HF name (after ``model.layers.N.``).
-LAYER_TENSOR_NAMES = {
+LAYER_TENSOR_NAMES = MappingProxyType({
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -46,13 +47,13 @@ LAYER_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-}
+})
 #: Tensors outside the layers.
-GLOBAL_TENSOR_NAMES = {
+GLOBAL_TENSOR_NAMES = MappingProxyType({
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
-}
+})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from minivllm.model.llama import LlamaForCausalLM, get_model_class
+from minivllm.model.architectures import get_model_class
+from minivllm.model.llama import LlamaForCausalLM
 
 #: Any of these in a model directory means it ships a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -90,6 +92,33 @@ def iterate_safetensors(model_dir: str | Path,
                     yield name, f.get_tensor(name)
 
 
+class _FloatsIn(TorchFunctionMode):
+    """Build parameters in ``dtype``: what ``torch.set_default_dtype`` does, in this thread only.
+
+    Inside it, the factories that make a tensor of the default float dtype when
+    given no ``dtype`` (``empty``, ``zeros``, ``ones``, ``rand``, ``randn``,
+    and ``full`` with a float fill) make ``dtype`` ones instead, so every
+    parameter is created in its final dtype with no float32 detour. A torch
+    function mode is per thread, like ``with torch.device(...)`` (itself one),
+    so two engines built at once in two threads with different dtypes do not
+    race, as they would over the process-wide default dtype.
+    """
+
+    _FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("dtype") is None and (
+                func in self._FACTORIES
+                or (func is torch.full and len(args) > 1 and isinstance(args[1], float))):
+            kwargs["dtype"] = self.dtype
+        return func(*args, **kwargs)
+
+
 def build_model(
     hf_config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     tp_size: int = 1, components: Any = None, pp_rank: int = 0, pp_size: int = 1,
@@ -110,14 +139,9 @@ def build_model(
     ranges = stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition,
                                 components.pipeline.get_pp_indices)
     cls = get_model_class(hf_config)
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # create parameters in dtype directly (no fp32 detour)
-    try:
-        with torch.device(device):
-            model = cls(hf_config, tp_size=tp_size, components=components,
-                        layer_range=ranges[pp_rank], pp_rank=pp_rank, pp_size=pp_size)
-    finally:
-        torch.set_default_dtype(old_dtype)
+    with torch.device(device), _FloatsIn(dtype):  # parameters made in dtype, on device
+        model = cls(hf_config, tp_size=tp_size, components=components,
+                    layer_range=ranges[pp_rank], pp_rank=pp_rank, pp_size=pp_size)
     # The RoPE cache is float32 by design, whatever the model dtype.
     model.model.rotary_emb.cos_sin_cache = model.model.rotary_emb.cos_sin_cache.float()
     return model.eval()
@@ -133,6 +157,7 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     pp_layer_partition: Any = None,
+    prepack: bool = True,
 ) -> tuple[LlamaForCausalLM, Any, Any]:
     """Load ``model`` and return ``(model_module, hf_config, tokenizer)``.
 
@@ -153,6 +178,9 @@ def load_model(
         pp_rank, pp_size, pp_layer_partition: this process is pipeline stage
             ``pp_rank`` of ``pp_size`` and loads only that stage's weights (see
             :func:`build_model`).
+        prepack: whether the linear layers may keep a prepacked copy of their
+            float weights (``process_weights_after_loading``); False is passed
+            to the hook only when set, so a hook written without it still serves.
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
@@ -190,6 +218,8 @@ def load_model(
         quantize_model(module, quantization, ops, gguf_path)
     for m in module.modules():  # vLLM's hook: repack weights once they are final
         hook = getattr(m, "process_weights_after_loading", None)
-        if hook is not None:
+        if hook is not None and prepack:
             hook()
+        elif hook is not None:
+            hook(prepack=False)
     return module, hf_config, tokenizer

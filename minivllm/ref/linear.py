@@ -1,14 +1,5 @@
 """Tensor-parallel linear layers, simulated: every rank's shard in one process.
 
-**Contract: different from the fast twin's, under the same names.** Here a
-layer's output is always the *dense* (``tp_size=1``) output, and
-``QKVParallelLinear.num_heads`` / ``.num_kv_heads`` are the model's totals;
-:mod:`minivllm.fast.linear` returns *this rank's shard* and per-rank head
-counts. At ``tp_size=1`` the two are the same layer. The model code works
-with either, because it reads the head counts from the layer; the executor
-knows which it has from ``SIMULATES_ALL_RANKS`` (one process, or one per
-rank). ``tests/test_linear.py::test_twins_contracts`` checks both halves.
-
 Tensor parallelism (Megatron-LM, as vLLM does it) splits each weight matrix
 across ``tp_size`` GPUs ("ranks") so that each holds ``1/tp_size`` of it:
 
@@ -26,32 +17,27 @@ A transformer block pairs them: ``qkv_proj`` (column) -> attention on this
 rank's heads -> ``o_proj`` (row, all-reduce); ``gate_up_proj`` (column) ->
 SiLU-and-mul -> ``down_proj`` (row, all-reduce). Two all-reduces per layer,
 nothing else. The vocabulary of the embedding and of the LM head is split the
-same way (:class:`VocabParallelEmbedding`, :class:`ParallelLMHead`).
+same way (:class:`VocabParallelEmbedding`, :class:`ParallelLMHead`), padded up
+to a multiple of ``tp_size`` (the padding rows are zero, their logits cut off).
 
 This module *simulates* all ranks in one process so that a reader can see
-what each one holds and what each collective does:
+what each one holds and what each collective does: every parameter holds all
+ranks' shards, stacked (``weight[r]`` is what rank ``r`` would hold);
+``forward`` loops over the ranks with plain torch, and the collectives are
+written out (an all-reduce is a sum over the per-rank results, a gather a
+concatenation). Each parameter's ``weight_loader(param, full_tensor[,
+shard_id])`` cuts every rank's shard out of the full checkpoint tensor.
+Uneven splits are refused with a ``ValueError`` listing the sizes that work.
 
-- every parameter holds all ranks' shards, stacked: ``weight[r]`` is what
-  rank ``r`` would hold (shape ``(tp_size, *shard_shape)``);
-- ``forward`` loops over the ranks, computing each rank's piece with plain
-  torch; the collectives are written out as torch ops: an all-reduce is a
-  sum over the per-rank results, a gather is a concatenation;
-- the outputs are laid out exactly like the dense (``tp_size=1``) layer's,
-  so the model code is the same for every ``tp_size``. In particular
-  ``QKVParallelLinear.num_heads`` / ``.num_kv_heads`` are the totals, and a
-  column-parallel layer returns the full output whatever ``gather_output``
-  says (the gather is free here; ``gather_output`` only matters in
-  :mod:`minivllm.fast.linear`, which runs one process per rank).
-
-Load weights through each parameter's ``weight_loader(param, full_tensor[,
-shard_id])``: it takes the FULL checkpoint tensor and cuts every rank's shard
-out of it (the fast twin cuts only its own rank's).
-
-Uneven splits are rejected with a ``ValueError`` that lists the ``tp_size``
-values that work. The vocabulary is the exception: it is padded up to a
-multiple of ``tp_size`` (each rank gets ``ceil(vocab / tp_size)`` rows; the
-padding rows are zero and their logits are cut off). vLLM pads further, to a
-multiple of 64, for kernel efficiency; that is not needed here.
+**Contract: different from the fast twin's, under the same names.** Here a
+layer's output is always the *dense* (``tp_size=1``) output, and
+``QKVParallelLinear.num_heads`` / ``.num_kv_heads`` are the model's totals
+(``gather_output`` changes nothing); :mod:`minivllm.fast.linear` runs one
+process per rank and returns *this rank's shard* and per-rank head counts.
+At ``tp_size=1`` the two are the same layer. The model reads the head counts
+from the layer, so it works with either; the executor learns which it has
+from ``SIMULATES_ALL_RANKS``. ``tests/test_linear.py::test_twins_contracts``
+checks both halves.
 """
 
 from __future__ import annotations
@@ -106,13 +92,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class _Loaded:
-    """The loader's hook after every weight is loaded: the textbook layer keeps its weight.
+    """The loader's hook once every weight is loaded (the fast twin repacks there)."""
 
-    (The fast twin's layers repack their float weights for the CPU GEMM here.)
-    """
-
-    def process_weights_after_loading(self) -> None:
-        """Nothing to do: the layer multiplies by its weight as loaded."""
+    def process_weights_after_loading(self, *, prepack: bool = True) -> None:
+        """Nothing to do: the textbook layer multiplies by its weight as loaded."""
 
 
 class ColumnParallelLinear(_Loaded, nn.Module):

@@ -16,11 +16,12 @@ blocks, preemption and prefix-cache hits on purpose.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_common = MappingProxyType(dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
 settings.register_profile("dev", max_examples=50, **_common)
 settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
 settings.register_profile("cuda", max_examples=200, **_common)
@@ -38,10 +39,10 @@ def stateful_settings(max_examples: int, step_count: int) -> settings:
 
 
 #: Awkward sizes the kernel tests draw from.
-HEAD_DIMS = [64, 80, 96, 128]
-SMALL_HEAD_DIMS = [8, 16, 24, 40]  # for the interpreter: small and not all powers of 2
-GQA_RATIOS = [1, 2, 4, 8]
-BLOCK_SIZES = [1, 8, 16, 32]
+HEAD_DIMS = (64, 80, 96, 128)
+SMALL_HEAD_DIMS = (8, 16, 24, 40)  # for the interpreter: small and not all powers of 2
+GQA_RATIOS = (1, 2, 4, 8)
+BLOCK_SIZES = (1, 8, 16, 32)
 
 
 def block_sizes() -> st.SearchStrategy[int]:

@@ -1,0 +1,300 @@
+"""The engine's configuration: :class:`EngineConfig` (every engine argument, checked) and
+:class:`WorkerConfig` (what every rank needs to build its worker).
+
+Every engine argument is checked here, once, before any weight is read: a bad
+value raises ``ValueError`` naming the field, the value and the allowed range.
+The environment variables minivllm honours are read here too, once, into the
+config (``$MINIVLLM_PP_LAYER_PARTITION``, ``$MINIVLLM_PREPACK``,
+``$MINIVLLM_TP_TIMEOUT_S``); nothing below the engine reads the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minivllm import backend
+from minivllm.config import _require, check_block_size, check_chunked_prefill
+from minivllm.dtype import DTYPES
+from minivllm.model.quantization import check_quantization
+from minivllm.pp_stages import parse_partition
+from minivllm.sampling_params import SEED_MAX, SEED_MIN
+from minivllm.spec_decode.config import SpeculativeConfig
+
+logger = logging.getLogger("minivllm")
+
+#: The values ``distributed_executor_backend`` takes (None: choose, see
+#: :func:`minivllm.engine.executor.make_executor`).
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+
+#: (field, lowest, highest) of EngineConfig's int fields. The upper bounds keep
+#: a typo from allocating a block table or a pool no machine has.
+_INT_RANGES = (
+    ("max_num_seqs", 1, 1 << 16),
+    ("max_num_batched_tokens", 1, 1 << 24),
+    ("max_model_len", 1, 1 << 24),
+    ("kv_cache_memory", 1, 1 << 62),
+    ("num_gpu_blocks_override", 1, 1 << 24),
+    ("tensor_parallel_size", 1, 1024),
+    ("pipeline_parallel_size", 1, 1024),
+)
+
+
+def check_executor_backend(value: object) -> None:
+    """Refuse a ``distributed_executor_backend`` that is not None or one of :data:`EXECUTOR_BACKENDS`."""
+    if value is not None and value not in EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be None (choose) or one of "
+                         f"{list(EXECUTOR_BACKENDS)}, got {value!r}")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` is the first CUDA device if there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (a huge number where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def max_model_len_for(requested: int | None, hf_config: Any) -> int:
+    """``max_model_len``: the request, else the model's limit; never past a sliding window.
+
+    A model with a sliding window (Mistral 7B v0.1: 4096) attends only to its
+    last ``sliding_window`` tokens. minivllm's attention attends to the whole
+    context, which is the same thing while no sequence is longer than the
+    window, so the length is capped there (see docs/models.md).
+    """
+    max_pos = getattr(hf_config, "max_position_embeddings", 2048)
+    if requested is not None and requested > max_pos:
+        raise ValueError(f"max_model_len must be at most the model's max_position_embeddings "
+                         f"({max_pos}), got {requested}")
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", True) or not isinstance(window, int):
+        return requested or max_pos
+    if requested is not None and requested > window:
+        raise ValueError(f"max_model_len must be at most the model's sliding_window ({window}: "
+                         f"minivllm has no sliding-window attention), got {requested}")
+    if requested is None and max_pos > window:
+        logger.warning("minivllm: max_model_len capped at the model's sliding_window (%d) "
+                       "instead of max_position_embeddings (%d): minivllm attends to the "
+                       "whole context, which equals sliding-window attention only up to "
+                       "the window", window, max_pos)
+    return requested or min(max_pos, window)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_device(device: str | torch.device) -> bool:
+    """``"auto"``, the CPU, or a CUDA device this machine has."""
+    if device == "auto":
+        return True
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    return device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every rank needs to build its :class:`~minivllm.engine.worker.Worker`.
+
+    Made by :meth:`EngineConfig.worker_config` (or directly, in tests and
+    tutorials), and pickled to every worker process as it is.
+
+    Attributes:
+        model: a registered name, an HF model directory or a ``.gguf`` file.
+        dtype: weight and activation dtype.
+        device: the device of rank 0 (the others follow it, see
+            :func:`~minivllm.engine.ranks.rank_devices`).
+        tensor_parallel_size: ranks per pipeline stage.
+        pipeline_parallel_size: pipeline stages.
+        pp_layer_partition: layers per stage, or None for the ``pipeline``
+            component's rule.
+        quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"``.
+        enforce_eager: the model's own forward on every step (no CUDA graph,
+            no C++ layer stack).
+        prepack: let float linear layers keep a prepacked copy of their
+            weight for the GEMM (``$MINIVLLM_PREPACK=0`` turns it off).
+        timeout_s: how long a collective waits for a peer before failing.
+    """
+
+    model: str
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+    quantization: str | None = None
+    enforce_eager: bool = False
+    prepack: bool = True
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", torch.device(self.device))
+        object.__setattr__(self, "pp_layer_partition", parse_partition(self.pp_layer_partition))
+
+    @property
+    def num_ranks(self) -> int:
+        """``tensor_parallel_size x pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    """Everything :class:`~minivllm.engine.llm_engine.LLMEngine` needs; :class:`minivllm.LLM`
+    takes the same names.
+
+    ``kv_cache_memory`` (bytes) sizes the KV pool on a CPU;
+    ``gpu_memory_utilization`` (fraction of the GPU's memory the whole engine
+    may use) sizes it on CUDA. ``num_gpu_blocks_override`` fixes the number of
+    blocks directly (tests use it to force preemption).
+    ``distributed_executor_backend`` says who starts the ranks: None
+    (choose), ``"uni"``, ``"mp"`` or ``"external_launcher"`` (``torchrun``).
+    ``speculative_config`` (vLLM's dict, or a
+    :class:`~minivllm.spec_decode.config.SpeculativeConfig`) turns on
+    speculative decoding (docs/speculative_decoding.md).
+    ``enforce_eager`` runs the model's own forward on every device (no CUDA
+    graph, no C++ layer stack), so a breakpoint in the model fires.
+
+    Read once from the environment when left at None: ``pp_layer_partition``
+    (``$MINIVLLM_PP_LAYER_PARTITION``), ``prepack`` (``$MINIVLLM_PREPACK``,
+    default on) and ``distributed_timeout_s`` (``$MINIVLLM_TP_TIMEOUT_S``,
+    default 60).
+    """
+
+    model: str = "smollm2"
+    backend: backend.BackendSpec | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | tuple[int, ...] | None = None
+    enforce_eager: bool = False
+    quantization: str | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
+    distributed_executor_backend: str | None = None
+    prepack: bool | None = None
+    distributed_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        """Check every field before anything is loaded (one rule each); read the environment."""
+        _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                 "a registered name, a model directory or a .gguf path")
+        if self.backend is not None:
+            backend.validate_spec(self.backend)
+        dtypes = ("auto", *sorted(DTYPES))
+        _require(self.dtype in DTYPES.values() if isinstance(self.dtype, torch.dtype)
+                 else isinstance(self.dtype, str) and self.dtype in dtypes,
+                 "dtype", self.dtype, f"one of {dtypes} or torch.float32/float16/bfloat16")
+        _require(isinstance(self.device, (str, torch.device)) and _is_device(self.device),
+                 "device", self.device, "'auto', 'cpu', or 'cuda' / 'cuda:N' of a GPU here")
+        _require(_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
+                 f"an int in [{SEED_MIN}, {SEED_MAX}] (torch.Generator's range)")
+        check_block_size(self.block_size)
+        for name, lo, hi in _INT_RANGES:
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "num_gpu_blocks_override"):
+                continue
+            _require(_is_int(value) and lo <= value <= hi, name, value,
+                     f"an int in [{lo}, {hi}]")
+        check_quantization(self.quantization)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        check_executor_backend(self.distributed_executor_backend)
+        if self.pp_layer_partition is None:
+            self.pp_layer_partition = os.environ.get("MINIVLLM_PP_LAYER_PARTITION") or None
+        # Its fit to the model is checked once the model's layer count is known.
+        self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config needs pipeline_parallel_size=1 (a micro-batch in flight "
+                f"cannot verify drafts), got {self.pipeline_parallel_size}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+                     "True or False")
+        if self.prepack is None:
+            self.prepack = os.environ.get("MINIVLLM_PREPACK", "1") != "0"
+        _require(isinstance(self.prepack, bool), "prepack", self.prepack, "True or False")
+        if self.distributed_timeout_s is None:
+            raw = os.environ.get("MINIVLLM_TP_TIMEOUT_S", "60")
+            try:
+                self.distributed_timeout_s = float(raw)
+            except ValueError:
+                raise ValueError(f"$MINIVLLM_TP_TIMEOUT_S must be a number of seconds, "
+                                 f"got {raw!r}") from None
+        t = self.distributed_timeout_s
+        _require(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 86400,
+                 "distributed_timeout_s", t, "a number of seconds in (0, 86400]")
+        g = self.gpu_memory_utilization
+        _require(isinstance(g, (int, float)) and not isinstance(g, bool) and 0.0 < g <= 1.0,
+                 "gpu_memory_utilization", g, "a number in (0, 1]")
+        memory = physical_memory()
+        _require(self.kv_cache_memory <= memory, "kv_cache_memory", self.kv_cache_memory,
+                 f"at most this machine's memory ({memory} bytes)")
+        check_chunked_prefill(self.enable_chunked_prefill, self.max_num_batched_tokens,
+                              self.max_model_len)
+
+    def worker_config(self, dtype: torch.dtype, device: torch.device) -> WorkerConfig:
+        """What every rank needs, with ``dtype`` and ``device`` resolved (``"auto"`` decided)."""
+        return WorkerConfig(
+            model=self.model, dtype=dtype, device=device,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.pp_layer_partition, quantization=self.quantization,
+            enforce_eager=self.enforce_eager, prepack=self.prepack,
+            timeout_s=float(self.distributed_timeout_s))
+
+
+def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    """How many KV blocks the memory budget holds (``bytes_per_block``: one rank's block).
+
+    On a CPU the budget is ``kv_cache_memory``; on CUDA it is the engine's
+    share of the GPU (``gpu_memory_utilization``) minus what it already holds
+    (the weights), never more than is free, minus room for activations.
+    ``num_gpu_blocks_override`` fixes the number instead.
+    """
+    if config.num_gpu_blocks_override is not None:
+        need = config.num_gpu_blocks_override * bytes_per_block
+        have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else physical_memory()
+        _require(need <= have, "num_gpu_blocks_override", config.num_gpu_blocks_override,
+                 f"at most {have // bytes_per_block} here (blocks of {bytes_per_block} bytes)")
+        return config.num_gpu_blocks_override
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        ours = torch.cuda.memory_reserved(device)
+        activation_reserve = 2 << 30
+        budget = min(int(total * config.gpu_memory_utilization) - ours, free) \
+            - activation_reserve
+    else:
+        budget = config.kv_cache_memory
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV-cache budget ({budget} bytes) is smaller than one block "
+            f"({bytes_per_block} bytes); raise kv_cache_memory / gpu_memory_utilization")
+    return num_blocks
