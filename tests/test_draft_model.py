@@ -24,6 +24,7 @@ import torch
 from conftest import hf_model
 
 from minivllm import SamplingParams
+from minivllm.engine.config import WorkerConfig
 from minivllm.engine.worker import Worker
 from minivllm.metadata import StepInput
 from minivllm.request import Request
@@ -33,7 +34,7 @@ BLOCK_SIZE = 4
 
 
 def make_worker(path) -> Worker:
-    worker = Worker(str(path), torch.float32, "cpu")
+    worker = Worker(WorkerConfig(str(path), torch.float32, "cpu"))
     worker.init_kv_cache(num_blocks=96, block_size=BLOCK_SIZE, max_num_reqs=8,
                          max_num_blocks_per_req=24)
     return worker

@@ -150,3 +150,28 @@ def test_separate_draft_survives_preemption(tiny_model_dir):
     assert got == expected
     assert counts.get("preempted", 0) > 0, "the pool was meant to force a preemption"
     assert drafted > 0 and accepted == drafted
+
+
+def test_draft_model_with_tensor_parallelism(tiny_model_dir):
+    """A draft model runs beside the whole model in one process: with the ref's simulated
+    ranks tp=2 works (and matches transformers); with one process per rank it is refused
+    before anything is loaded (its forward would run on rank 0 alone, its all-reduces
+    waiting forever for the others)."""
+    from minivllm import LLM, backend
+    from minivllm.engine.ranks import simulates_all_ranks
+
+    path = str(tiny_model_dir("llama", num_hidden_layers=3))
+    kernels_ref = {n: "ref" for n, k in backend.COMPONENTS.items() if k == "kernel"}
+    for linear in ("ref", "fast"):
+        spec_ = {**kernels_ref, "linear": linear}
+        kw = dict(backend=spec_, tensor_parallel_size=2, dtype="float32", device="cpu",
+                  max_model_len=128, speculative_config=spec(2, layers=1))
+        if not simulates_all_ranks(spec_):
+            with pytest.raises(ValueError, match="draft_model.*tensor_parallel_size=2"):
+                LLM(path, **kw)
+            continue
+        llm = LLM(path, **kw)
+        prompts = random_prompts(2, [5, 9], seed=3)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)

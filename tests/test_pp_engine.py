@@ -22,10 +22,11 @@ from test_tp_engine import _gone
 
 from minivllm import backend
 from minivllm.backend import COMPONENTS
-from minivllm.engine.executor import UniProcExecutor, simulates_all_ranks
+from minivllm.engine.config import EngineConfig, WorkerConfig
+from minivllm.engine.executor import UniProcExecutor
 from minivllm.engine.multiproc_executor import MultiprocExecutor
-from minivllm.engine.pipeline import schedule_excluding
-from minivllm.pp_stages import PP_PARTITION_ENV, stage_layer_ranges, valid_pp_sizes
+from minivllm.engine.ranks import simulates_all_ranks
+from minivllm.pp_stages import stage_layer_ranges, valid_pp_sizes
 from minivllm.ref.pipeline import get_pp_indices
 
 BLOCK_SIZE = 4
@@ -57,40 +58,46 @@ def test_get_pp_indices_contract(num_layers: int) -> None:
         base, extra = divmod(num_layers, pp)
         assert sizes[-1] == base
         assert sizes == [base + (pp - 1 - extra <= r < pp - 1) for r in range(pp)]
-    assert stage_layer_ranges(num_layers, 1) == [(0, num_layers)]
+    assert stage_layer_ranges(num_layers, 1, None, get_pp_indices) == [(0, num_layers)]
 
 
 def test_layer_partition_override_and_refusals(monkeypatch) -> None:
-    assert stage_layer_ranges(5, 3) == [(0, 2), (2, 4), (4, 5)]
-    assert stage_layer_ranges(5, 3, "1,1,3") == [(0, 1), (1, 2), (2, 5)]
-    assert stage_layer_ranges(5, 2, (4, 1)) == [(0, 4), (4, 5)]
-    monkeypatch.setenv(PP_PARTITION_ENV, "3,1,1")
-    assert stage_layer_ranges(5, 3) == [(0, 3), (3, 4), (4, 5)]
-    assert stage_layer_ranges(5, 3, "1,3,1") == [(0, 1), (1, 4), (4, 5)]  # the arg wins
-    monkeypatch.delenv(PP_PARTITION_ENV)
+    rule = get_pp_indices
+    assert stage_layer_ranges(5, 3, None, rule) == [(0, 2), (2, 4), (4, 5)]
+    assert stage_layer_ranges(5, 3, "1,1,3", rule) == [(0, 1), (1, 2), (2, 5)]
+    assert stage_layer_ranges(5, 2, (4, 1), rule) == [(0, 4), (4, 5)]
+    # The environment is read once, into the engine's config; an argument wins.
+    monkeypatch.setenv("MINIVLLM_PP_LAYER_PARTITION", "3,1,1")
+    assert EngineConfig(pipeline_parallel_size=3).pp_layer_partition == (3, 1, 1)
+    assert EngineConfig(pipeline_parallel_size=3,
+                        pp_layer_partition="1,3,1").pp_layer_partition == (1, 3, 1)
+    monkeypatch.delenv("MINIVLLM_PP_LAYER_PARTITION")
+    assert EngineConfig(pipeline_parallel_size=3).pp_layer_partition is None
     for bad in ("2,2", "2,2,2", "5,0,0", "a,b,c", (1, 1, 3.0)):
         with pytest.raises(ValueError, match="pp_layer_partition"):
-            stage_layer_ranges(5, 3, bad)
+            stage_layer_ranges(5, 3, bad, rule)
     with pytest.raises(ValueError, match=r"pp sizes that work: \[1, 2, 3\]"):
-        stage_layer_ranges(3, 4)
+        stage_layer_ranges(3, 4, None, rule)
     assert valid_pp_sizes(3) == [1, 2, 3]
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        stage_layer_ranges(3, 0)
+        stage_layer_ranges(3, 0, None, rule)
     # A wrong rule (a student's) is caught before any weight is loaded.
     with pytest.raises(ValueError, match="not consecutive"):
-        stage_layer_ranges(5, 2, get_pp_indices=lambda n, r, p: (0, 3) if r == 0 else (2, 5))
+        stage_layer_ranges(5, 2, None, lambda n, r, p: (0, 3) if r == 0 else (2, 5))
 
 
-def test_schedule_excluding_hides_in_flight_requests() -> None:
+@pytest.mark.parametrize("impl", ["ref", "fast"])
+def test_schedule_leaves_the_requests_in_flight_out(impl: str) -> None:
     """A request in flight is neither scheduled again nor preempted, and still counts
-    against max_num_seqs; ``running`` keeps its order."""
+    against max_num_seqs; ``running`` keeps its order and nothing in the scheduler is
+    swapped for the call."""
     from minivllm.config import CacheConfig, SchedulerConfig
     from minivllm.request import Request
     from minivllm.sampling_params import SamplingParams
 
-    sched = backend.get("scheduler").Scheduler(
-        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64),
-        CacheConfig(block_size=4, num_blocks=64), components=backend.as_components("ref"))
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64)
+    sched = backend.get("scheduler", impl).Scheduler(
+        config, CacheConfig(block_size=4, num_blocks=64), components=backend.as_components(impl))
     reqs = [Request(f"r{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), 0) for i in range(4)]
     for r in reqs[:2]:
         sched.add_request(r)
@@ -98,11 +105,32 @@ def test_schedule_excluding_hides_in_flight_requests() -> None:
     assert [r.request_id for r in first.scheduled_requests] == ["r0", "r1"]
     for r in reqs[2:]:
         sched.add_request(r)
-    second = schedule_excluding(sched, {"r0", "r1"})
+    second = sched.schedule(in_flight={"r0", "r1"})
     # r0, r1 in flight: only one more fits under max_num_seqs=3.
     assert [r.request_id for r in second.scheduled_requests] == ["r2"]
     assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"]
-    assert sched.scheduler_config.max_num_seqs == 3
+    assert sched.scheduler_config is config and config.max_num_seqs == 3
+
+
+@pytest.mark.parametrize("impl", ["ref", "fast"])
+def test_a_full_pool_never_preempts_a_request_in_flight(impl: str) -> None:
+    """With the pool short, the victim is the newest request NOT in flight (here the
+    request itself), never one whose step is still in the pipeline."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.request import Request
+    from minivllm.sampling_params import SamplingParams
+
+    sched = backend.get("scheduler", impl).Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=4, num_blocks=4), components=backend.as_components(impl))
+    a = Request("a", list(range(1, 9)), SamplingParams(max_tokens=8), 0)
+    b = Request("b", list(range(11, 19)), SamplingParams(max_tokens=8), 0)
+    for r in (a, b):
+        sched.add_request(r)
+    sched.update_from_output(sched.schedule(), {"a": 7, "b": 7})  # 2 blocks each: pool full
+    out = sched.schedule(in_flight={"b"})  # a needs a third block; b's step is in flight
+    assert list(out.preempted_req_ids) == ["a"] and not out.scheduled_requests
+    assert [r.request_id for r in sched.running] == ["b"]
 
 
 # --------------------------------------------------------------------------
@@ -136,7 +164,7 @@ def test_llm_pp_greedy_matches_transformers(tiny_model_dir, arch, overrides, tp,
               pipeline_parallel_size=pp, dtype="float32", device="cpu", max_model_len=128,
               block_size=BLOCK_SIZE, **engine_kw)
     executor = llm.llm_engine.executor
-    procs = list(getattr(executor, "procs", []))
+    procs = list(executor.procs) if isinstance(executor, MultiprocExecutor) else []
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(10),
                             use_tqdm=False)
@@ -164,22 +192,20 @@ def test_ref_pipeline_equals_real_pipeline_exactly(tiny_model_dir) -> None:
     spec = spec_with_ref_kernels()
     runs, memory, timelines = [], [], []
     for cls in (UniProcExecutor, MultiprocExecutor):
-        ex = (UniProcExecutor(path, torch.float32, "cpu", 1, spec, pp_size=3) if cls is
-              UniProcExecutor else MultiprocExecutor(path, torch.float32, "cpu", 1,
-                                                     components=spec, pp_size=3))
+        ex = cls(WorkerConfig(path, torch.float32, "cpu", pipeline_parallel_size=3), spec)
         with ex:
             ex.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
             batches = Batches(seed=7, vocab=ex.hf_config.vocab_size)
             inputs = [batches.next_input() for _ in range(4)]
-            pending = [ex.execute_model(s, non_block=True) for s in inputs[:3]]  # in flight
-            logits = [p.result() for p in pending] + [ex.execute_model(inputs[3])]
+            pending = [ex.execute_model(s) for s in inputs[:3]]  # in flight
+            logits = [p.result() for p in pending] + [ex.execute_model(inputs[3]).result()]
             runs.append(logits)
             memory.append(ex.memory_per_rank())
             timelines.append(ex.stage_timeline())
-    with UniProcExecutor(path, torch.float32, "cpu", 1, spec) as whole:
+    with UniProcExecutor(WorkerConfig(path, torch.float32, "cpu"), spec) as whole:
         whole.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
         batches = Batches(seed=7, vocab=whole.hf_config.vocab_size)
-        expected = [whole.execute_model(batches.next_input()) for _ in range(4)]
+        expected = [whole.execute_model(batches.next_input()).result() for _ in range(4)]
         whole_memory = whole.memory_per_rank()[0]
     for step, (sim, real, one) in enumerate(zip(*runs, expected)):
         assert torch.equal(sim, real), f"step {step}: simulation != real processes"

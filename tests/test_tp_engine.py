@@ -21,8 +21,11 @@ import torch
 
 from minivllm import backend
 from minivllm.backend import COMPONENTS
-from minivllm.engine.executor import UniProcExecutor, make_executor, simulates_all_ranks
+from minivllm.engine.config import WorkerConfig
+from minivllm.engine.executor import UniProcExecutor
+from minivllm.engine.launcher import make_executor
 from minivllm.engine.multiproc_executor import MultiprocExecutor
+from minivllm.engine.ranks import simulates_all_ranks
 from minivllm.engine.wire import pack_step_input, unpack_step_input
 from minivllm.metadata import StepInput
 from minivllm.tp_shards import valid_tp_sizes
@@ -48,7 +51,8 @@ def cpu_spec(**overrides: str) -> dict[str, str]:
 
 def cpu_executor(model: str, tp: int) -> UniProcExecutor | MultiprocExecutor:
     """The engine's own choice of executor (:func:`make_executor`), on the CPU."""
-    return make_executor(model, torch.float32, "cpu", tp, cpu_spec())
+    return make_executor(WorkerConfig(model, torch.float32, "cpu", tensor_parallel_size=tp),
+                         cpu_spec())
 
 
 class Batches:
@@ -109,7 +113,7 @@ def run_steps(executor: UniProcExecutor | MultiprocExecutor, seed: int,
     assert nbytes > 0
     executor.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
     batches = Batches(seed, vocab)
-    return [executor.execute_model(batches.next_input()) for _ in range(steps)]
+    return [executor.execute_model(batches.next_input()).result() for _ in range(steps)]
 
 
 def test_pack_unpack_round_trip() -> None:
@@ -145,7 +149,7 @@ def test_tp_logits_match_tp1(tiny_model_dir, arch: str, overrides: dict, tp: int
     ex = cpu_executor(model, tp)
     got = run_steps(ex, seed=tp)
     per_rank = ex.bytes_per_block(BLOCK_SIZE)
-    procs = list(getattr(ex, "procs", []))
+    procs = list(ex.procs) if isinstance(ex, MultiprocExecutor) else []
     kind = type(ex)
     del ex  # dropping the executor must stop its workers (__del__)
     gc.collect()
@@ -198,8 +202,8 @@ def _gone(pid: int) -> bool:
 
 def test_killed_worker_raises_quickly_and_leaves_no_orphans(tiny_model_dir) -> None:
     model = str(tiny_model_dir("llama"))
-    with backend.use_backend(cpu_spec(linear="fast")):
-        ex = MultiprocExecutor(model, torch.float32, "cpu", 2, timeout_s=20)
+    ex = MultiprocExecutor(WorkerConfig(model, torch.float32, "cpu", tensor_parallel_size=2,
+                                        timeout_s=20), cpu_spec(linear="fast"))
     try:
         ex.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
         batches = Batches(seed=0, vocab=ex.hf_config.vocab_size, prefix="warm-up")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minivllm import SamplingParams, backend
+from minivllm.engine.config import WorkerConfig
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 from minivllm.engine.worker import Worker
 from minivllm.metadata import StepInput
@@ -80,9 +81,8 @@ def _step(req_ids, new, blocks, removed=(), query_lens=None, seq_lens=None) -> S
 
 @pytest.fixture()
 def worker(tiny_model_dir) -> Worker:
-    with backend.use_backend(_kernels_ref()):
-        w = Worker(str(tiny_model_dir("llama")), torch.float32, "cpu")
-        w.init_kv_cache(16, BLOCK_SIZE, max_num_reqs=2, max_num_blocks_per_req=4)
+    w = Worker(WorkerConfig(str(tiny_model_dir("llama")), torch.float32, "cpu"), _kernels_ref())
+    w.init_kv_cache(16, BLOCK_SIZE, max_num_reqs=2, max_num_blocks_per_req=4)
     return w
 
 

@@ -206,29 +206,30 @@ print("saved 06_tensor_parallel.png")
 # batch with tp=1 and tp=2, and compare the logits.
 
 # %%
-from minivllm import backend, distributed  # noqa: E402
+from minivllm import distributed  # noqa: E402
 from minivllm.bench.tp import save_random_llama, synthetic_input  # noqa: E402
+from minivllm.engine.config import WorkerConfig  # noqa: E402
 from minivllm.engine.executor import UniProcExecutor  # noqa: E402
 from minivllm.engine.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=128, heads=8, kv_heads=4,
                               intermediate=256, layers=2, vocab=500)
 batch = synthetic_input(num_seqs=3, query_len=7, context_len=0, vocab=500)
-with backend.use_backend({"linear": "fast"}):  # real layers; the kernels stay ref
-    with UniProcExecutor(str(model_dir), torch.float32, "cpu", 1) as ex1:
-        ex1.init_kv_cache(8, 16)
-        logits_tp1 = ex1.execute_model(batch)
-    with MultiprocExecutor(str(model_dir), torch.float32, "cpu", 2) as ex2:
-        ex2.init_kv_cache(8, 16)
-        mlp = ex2.worker.model.model.layers[0].mlp
-        attn = ex2.worker.model.model.layers[0].self_attn
-        print("rank 0 holds gate_up", tuple(mlp.gate_up_proj.weight.shape),
-              "down", tuple(mlp.down_proj.weight.shape),
-              f"and {attn.num_heads} of 8 query heads, {attn.num_kv_heads} of 4 KV heads")
-        distributed.enable_collective_timing(True)
-        logits_tp2 = ex2.execute_model(batch)
-        stats = distributed.get_collective_stats()
-        distributed.enable_collective_timing(False)
+real_layers = {"linear": "fast"}  # real one-process-per-rank layers; the kernels stay ref
+with UniProcExecutor(WorkerConfig(str(model_dir)), real_layers) as ex1:
+    ex1.init_kv_cache(8, 16)
+    logits_tp1 = ex1.execute_model(batch).result()
+stats = distributed.CollectiveStats()  # rank 0's collectives add their calls and time here
+with MultiprocExecutor(WorkerConfig(str(model_dir), tensor_parallel_size=2), real_layers,
+                       collective_stats=stats) as ex2:
+    ex2.init_kv_cache(8, 16)
+    mlp = ex2.worker.model.model.layers[0].mlp
+    attn = ex2.worker.model.model.layers[0].self_attn
+    print("rank 0 holds gate_up", tuple(mlp.gate_up_proj.weight.shape),
+          "down", tuple(mlp.down_proj.weight.shape),
+          f"and {attn.num_heads} of 8 query heads, {attn.num_kv_heads} of 4 KV heads")
+    stats.reset()  # only the step below
+    logits_tp2 = ex2.execute_model(batch).result()
 print(f"rank 0 made {stats.calls} collective calls "
       f"(2 layers x 2 all-reduces + embedding all-reduce + logits gather)")
 print("max |tp=2 - tp=1| logits:", (logits_tp2 - logits_tp1).abs().max().item())

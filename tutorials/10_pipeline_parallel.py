@@ -75,16 +75,17 @@ for L, P in [(30, 2), (30, 4), (5, 3), (12, 5)]:
 # prefill of three prompts through both.
 
 # %%
+from minivllm.engine.config import WorkerConfig  # noqa: E402
 from minivllm.engine.executor import UniProcExecutor  # noqa: E402
 
 model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=256, heads=8, kv_heads=4,
                               intermediate=512, layers=8, vocab=500)
 prefill = synthetic_input(num_seqs=3, query_len=7, context_len=0, vocab=500)
 ref = {name: "ref" for name in backend.COMPONENTS}
-with UniProcExecutor(str(model_dir), torch.float32, "cpu", 1, ref) as one:
+with UniProcExecutor(WorkerConfig(str(model_dir)), ref) as one:
     one.init_kv_cache(8, 16)
-    logits_pp1 = one.execute_model(prefill)
-with UniProcExecutor(str(model_dir), torch.float32, "cpu", 1, ref, pp_size=2) as two:
+    logits_pp1 = one.execute_model(prefill).result()
+with UniProcExecutor(WorkerConfig(str(model_dir), pipeline_parallel_size=2), ref) as two:
     two.init_kv_cache(8, 16)
     for w in two.workers:
         inner = w.model.model
@@ -110,7 +111,7 @@ assert torch.equal(logits_pp2, logits_pp1)  # the same layers in the same order:
 # ---------------------------------------------
 #
 # Now for real: two processes, each holding one stage
-# (``MultiprocExecutor(..., pp_size=2)``). Stage 0 runs its layers on a batch and
+# (``MultiprocExecutor`` with ``pipeline_parallel_size=2``). Stage 0 runs its layers on a batch and
 # sends the activations on with ``torch.distributed`` point-to-point ``send``;
 # stage 1 receives them, runs its layers and sends the logits back. With ONE
 # batch in flight, stage 1 waits while stage 0 works and then stage 0 waits for
@@ -129,8 +130,9 @@ from minivllm.engine.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 PP, MS = 2, [1, 2, 4, 8]
 timelines, bubbles, gaps = {}, {}, []
-with backend.use_backend({"linear": "fast"}):  # real ranks (the host-side linear twin)
-    ex = MultiprocExecutor(str(model_dir), torch.float32, "cpu", 1, pp_size=PP)
+# Real ranks: the fast linear twin holds one rank's layers per process.
+ex = MultiprocExecutor(WorkerConfig(str(model_dir), pipeline_parallel_size=PP),
+                       {"linear": "fast"})
 try:
     batches, first = [], 0
     for i in range(max(MS)):

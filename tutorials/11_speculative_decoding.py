@@ -20,9 +20,8 @@ The output is distributed exactly as plain decoding's (Leviathan et al., arXiv
    ``(1 − α^(k+1)) / (1 − α)``, and measures ``α`` for self-speculation
    (the draft is SmolLM2's own first ``L`` layers, LayerSkip-style).
 
-The rule, its proof and the engine integration are in
-:doc:`/speculative_decoding`. It runs in about a minute on a laptop CPU
-(float32; the first run also builds the C++ kernels).
+The rule, its proof and the engine integration are in :doc:`/speculative_decoding`.
+It runs in about a minute on a laptop CPU (float32; the first run builds the C++ kernels).
 """
 
 # %%
@@ -37,6 +36,7 @@ from _figures import figure_path  # tutorials/figures/, ignored by git
 
 from minivllm import SamplingParams, backend
 from minivllm.bench.quality import TEXT
+from minivllm.engine.config import WorkerConfig
 from minivllm.engine.worker import Worker
 from minivllm.metadata import AttentionMetadata, StepInput
 from minivllm.request import Request
@@ -45,9 +45,8 @@ from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
 
 torch.manual_seed(0)
-# One thread: on a CPU shared with other work, a multi-threaded matmul of a few rows
-# waits for its second thread to be scheduled (milliseconds), which would swamp the
-# pass costs this tutorial is about. One thread measures the kernels themselves.
+# One thread: on a shared CPU a multi-threaded matmul of a few rows waits for its second
+# thread (milliseconds), swamping the pass costs measured here.
 torch.set_num_threads(1)
 print("threads:", torch.get_num_threads())
 
@@ -76,7 +75,7 @@ def best_of(fn, repeats=7):
 
 # %%
 BLOCK, CONTEXT = 16, 128
-worker = Worker("smollm2", torch.float32, "cpu")
+worker = Worker(WorkerConfig("smollm2", torch.float32, "cpu"))
 worker.init_kv_cache(num_blocks=16, block_size=BLOCK, max_num_reqs=1)
 V = worker.model.config.vocab_size
 gen = torch.Generator().manual_seed(0)

@@ -87,13 +87,6 @@ class ThroughputResult:
         return self.output_tokens / self.seconds
 
 
-def memory_per_rank(executor: Any) -> list[dict[str, int]]:
-    """``[{"weights": bytes, "kv_cache": bytes}, ...]`` for every rank of ``executor``."""
-    if hasattr(executor, "memory_per_rank"):
-        return executor.memory_per_rank()
-    return [w.memory_bytes() for w in getattr(executor, "workers", [executor.worker])]
-
-
 def _backend(args: argparse.Namespace) -> Any:
     from minivllm.backend import COMPONENTS
 
@@ -125,7 +118,7 @@ def run_throughput(model: str, name: str, tp: int, pp: int,
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        memory = memory_per_rank(llm.llm_engine.executor)
+        memory = llm.llm_engine.executor.memory_per_rank()
     finally:
         llm.shutdown()
     return ThroughputResult(name, tp, pp, seconds,
@@ -136,11 +129,13 @@ def run_bubble(model: str, pp: int, micro_batches: list[int],
                args: argparse.Namespace) -> list[tuple[int, float, float, list[Any]]]:
     """``(m, measured, textbook, records)`` for each ``m`` in ``micro_batches``, at ``pp`` stages."""
     from minivllm import backend
+    from minivllm.engine.config import WorkerConfig
     from minivllm.engine.multiproc_executor import MultiprocExecutor
 
     dtype = getattr(torch, args.dtype)
     with backend.use_backend(_backend(args)):
-        executor = MultiprocExecutor(model, dtype, args.device, 1, pp_size=pp)
+        executor = MultiprocExecutor(WorkerConfig(model, dtype, args.device,
+                                                  pipeline_parallel_size=pp))
     try:
         vocab = executor.hf_config.vocab_size
         batches, first = [], 0
@@ -169,7 +164,7 @@ def run_micro_batches(executor: Any, batches: list[Any]) -> None:
     for b in batches:
         if len(in_flight) == executor.max_concurrent_batches:
             in_flight.pop(0).result()
-        in_flight.append(executor.execute_model(b, non_block=True))
+        in_flight.append(executor.execute_model(b))
     for pending in in_flight:
         pending.result()
 

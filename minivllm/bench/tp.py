@@ -8,7 +8,7 @@ prefill batch and a decode batch, and reports:
 - step time and tokens/s for each, and the tp=N / tp=1 speed-up;
 - the all-reduce share: wall time rank 0 spends inside collectives (the two
   all-reduces per layer, the embedding's all-reduce and the logits gather,
-  timed by :func:`minivllm.distributed.enable_collective_timing`) divided
+  timed into a :class:`minivllm.distributed.CollectiveStats` given to the executor) divided
   by the step time. On a CPU this includes waiting for the slowest rank.
 
 The model: SmolLM2-135M if it is in the cache (9 query heads, 3 KV heads, so
@@ -30,6 +30,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,23 +100,25 @@ def save_random_llama(path: Path, hidden: int = 512, heads: int = 8, kv_heads: i
     return path
 
 
-def time_steps(executor, step_input: StepInput, steps: int) -> tuple[float, float]:
+def time_steps(executor, step_input: StepInput, steps: int,
+               stats: Any) -> tuple[float, float]:
     """(median step seconds, collective seconds per step) over ``steps`` runs.
 
     The first run (untimed: a warm-up) registers the step's requests in every
     rank's block table; the timed ones repeat the batch without changes.
+    ``stats``: the :class:`~minivllm.distributed.CollectiveStats` rank 0's
+    collectives add to (None with one rank: no collectives).
     """
-    from minivllm import distributed
-
-    executor.execute_model(step_input)  # warm-up
+    executor.execute_model(step_input).result()  # warm-up
     again = repeat_step(step_input)
     times, comm = [], []
     for _ in range(steps):
-        distributed.reset_collective_stats()
+        if stats is not None:
+            stats.reset()
         start = time.perf_counter()
-        executor.execute_model(again)
+        executor.execute_model(again).result()
         times.append(time.perf_counter() - start)
-        comm.append(distributed.get_collective_stats().seconds)
+        comm.append(0.0 if stats is None else stats.seconds)
     order = sorted(range(steps), key=times.__getitem__)
     mid = order[steps // 2]
     return times[mid], comm[mid]
@@ -123,16 +126,18 @@ def time_steps(executor, step_input: StepInput, steps: int) -> tuple[float, floa
 
 def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Step times of the prefill and decode workloads at ``tp``."""
-    from minivllm import backend, distributed
+    from minivllm import distributed
+    from minivllm.engine.config import WorkerConfig
     from minivllm.engine.executor import UniProcExecutor
     from minivllm.engine.multiproc_executor import MultiprocExecutor
 
-    dtype = getattr(torch, args.dtype)
-    with backend.use_backend(args.backend):
-        if tp == 1:
-            executor = UniProcExecutor(model, dtype, args.device, 1)
-        else:
-            executor = MultiprocExecutor(model, dtype, args.device, tp)
+    config = WorkerConfig(model, getattr(torch, args.dtype), args.device,
+                          tensor_parallel_size=tp)
+    stats = None if tp == 1 else distributed.CollectiveStats()
+    if tp == 1:
+        executor = UniProcExecutor(config, args.backend)
+    else:
+        executor = MultiprocExecutor(config, args.backend, collective_stats=stats)
     try:
         vocab = executor.hf_config.vocab_size
         prefill = synthetic_input(args.prefill_seqs, args.prefill_len, 0, vocab, name="prefill")
@@ -140,11 +145,9 @@ def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, tuple[float,
                                  first_block=num_blocks_needed(prefill))
         executor.init_kv_cache(num_blocks_needed(decode), BLOCK_SIZE,
                                max_num_reqs=args.prefill_seqs + args.decode_seqs)
-        distributed.enable_collective_timing(True)
-        return {"prefill": time_steps(executor, prefill, args.steps),
-                "decode": time_steps(executor, decode, args.steps)}
+        return {"prefill": time_steps(executor, prefill, args.steps, stats),
+                "decode": time_steps(executor, decode, args.steps, stats)}
     finally:
-        distributed.enable_collective_timing(False)
         executor.shutdown()
 
 

@@ -1,103 +1,43 @@
-"""Who starts the ranks: the one rule that picks ``distributed_executor_backend``.
+"""Who runs the ranks: the one rule that picks the executor, and :func:`make_executor`.
 
-Three ways to run an engine's ranks, named as vLLM names them:
+Three ways to run an engine's ranks, named as vLLM names them
+(``distributed_executor_backend``):
 
-- ``"uni"``: one process. Tensor parallelism above 1 only with linear
-  layers that simulate every rank (the ref twin).
+- ``"uni"``: one process (:class:`~minivllm.engine.executor.UniProcExecutor`).
+  Tensor parallelism above 1 only with linear layers that simulate every
+  rank (the ref twin); pipeline stages are simulated one after another.
 - ``"mp"``: this process is rank 0 and *spawns* the other ranks on this
-  machine (:class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`).
+  machine (:class:`~minivllm.engine.multiproc_executor.MultiprocExecutor` with
+  :class:`~minivllm.engine.rank_starters.SpawnedRanks`).
 - ``"external_launcher"``: a launcher that already exists (``torchrun``,
-  Slurm's ``srun``, ``mpirun``) started every rank, on one machine or many,
-  and told each one who it is through the environment (``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Rank 0
-  runs the engine; every other rank runs a worker
-  (:mod:`minivllm.engine.external_launcher`).
+  Slurm's ``srun``, ``mpirun``) started every rank, on one machine or many
+  (the same executor with :class:`~minivllm.engine.rank_starters.LaunchedRanks`;
+  every rank but 0 serves rank 0 and never returns from ``LLM(...)``).
 
 ``None`` (the default) chooses: ``"external_launcher"`` when the process was
 started by such a launcher with ``WORLD_SIZE`` equal to the engine's ranks,
 ``"uni"`` for one rank or simulated ranks, else ``"mp"``. The launcher is
-detected rather than required as a flag because under ``torchrun`` the
-other reading, every process building its own engine and spawning its own
+detected rather than required as a flag because under ``torchrun`` the other
+reading, every process building its own engine and spawning its own
 workers, is never what was meant; an explicit ``"mp"`` or ``"uni"`` still
-gets exactly that. :func:`choose_executor_backend` is the rule, and
-:func:`~minivllm.engine.executor.make_executor` calls it.
+gets exactly that.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-#: The values ``distributed_executor_backend`` takes (None: choose, see the module docstring).
-EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
-
-
-def check_executor_backend(value: object) -> None:
-    """Refuse a ``distributed_executor_backend`` that is not None or one of :data:`EXECUTOR_BACKENDS`."""
-    if value is not None and value not in EXECUTOR_BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be None (choose) or one of "
-                         f"{list(EXECUTOR_BACKENDS)}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class LauncherEnv:
-    """What a launcher tells one process: its place among all ranks and where to meet.
-
-    ``rank`` / ``world_size`` count every rank on every machine;
-    ``local_rank`` / ``local_world_size`` the ranks on this machine (they
-    pick the GPU and share the CPU cores). The rendezvous is ``env://``:
-    ``torch.distributed`` reads ``MASTER_ADDR`` and ``MASTER_PORT`` itself.
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-
-
-def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = environ.get(name)
-    if raw is None:
-        if default is None:
-            raise ValueError(f"the external launcher did not set {name} (it sets RANK, "
-                             f"WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an int, got {raw!r}") from None
-
-
-def launched_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """``WORLD_SIZE`` as a launcher set it, or 1 where none did."""
-    return _env_int(os.environ if environ is None else environ, "WORLD_SIZE", 1)
-
-
-def read_launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv:
-    """This process's :class:`LauncherEnv`, checked (``ValueError`` naming the variable)."""
-    environ = os.environ if environ is None else environ
-    world = _env_int(environ, "WORLD_SIZE")
-    rank = _env_int(environ, "RANK")
-    local_world = _env_int(environ, "LOCAL_WORLD_SIZE", world)
-    local_rank = _env_int(environ, "LOCAL_RANK", rank % max(local_world, 1))
-    addr = environ.get("MASTER_ADDR") or ""
-    port = _env_int(environ, "MASTER_PORT")
-    if world < 1:
-        raise ValueError(f"WORLD_SIZE must be >= 1, got {world}")
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK must be in [0, {world}) (WORLD_SIZE={world}), got {rank}")
-    if not 1 <= local_world <= world:
-        raise ValueError(f"LOCAL_WORLD_SIZE must be in [1, {world}], got {local_world}")
-    if not 0 <= local_rank < local_world:
-        raise ValueError(f"LOCAL_RANK must be in [0, {local_world}), got {local_rank}")
-    if not addr:
-        raise ValueError("the external launcher did not set MASTER_ADDR (rank 0's address)")
-    if not 1 <= port <= 65535:
-        raise ValueError(f"MASTER_PORT must be in [1, 65535], got {port}")
-    return LauncherEnv(rank, world, local_rank, local_world, addr, port)
+from minivllm import backend
+from minivllm.engine.config import WorkerConfig, check_executor_backend
+from minivllm.engine.executor import Executor, UniProcExecutor
+from minivllm.engine.multiproc_executor import MultiprocExecutor
+from minivllm.engine.rank_starters import (
+    LaunchedRanks,
+    launched_world_size,
+    read_launcher_env,
+    run_launched_rank,
+)
+from minivllm.engine.ranks import check_model_parallel_sizes, simulates_all_ranks
 
 
 def choose_executor_backend(requested: str | None, num_ranks: int, simulated: bool,
@@ -136,3 +76,30 @@ def choose_executor_backend(requested: str | None, num_ranks: int, simulated: bo
             "one rank's shards (the fast backend's); the selected ones simulate every rank "
             "in one process")
     return "uni" if num_ranks == 1 else "external_launcher"
+
+
+def make_executor(config: WorkerConfig,
+                  components: backend.Components | backend.BackendSpec | None = None,
+                  distributed_executor_backend: str | None = None,
+                  environ: Mapping[str, str] | None = None) -> Executor:
+    """The executor for ``config``'s ranks with ``components`` (a spec is resolved once).
+
+    ``distributed_executor_backend`` None chooses (see the module docstring).
+    Under a launcher, on every rank but 0 this never returns: the process
+    serves rank 0 and then exits.
+    """
+    components = backend.as_components(components)
+    kind = choose_executor_backend(distributed_executor_backend, config.num_ranks,
+                                   simulates_all_ranks(components), environ)
+    if kind == "uni":
+        return UniProcExecutor(config, components)
+    if kind == "mp":
+        return MultiprocExecutor(config, components)
+    env = read_launcher_env(environ)
+    # Every rank refuses a bad size (or partition) the same way, before loading anything.
+    check_model_parallel_sizes(config.model, config.tensor_parallel_size,
+                               config.pipeline_parallel_size, config.pp_layer_partition,
+                               components)
+    if env.rank != 0:
+        run_launched_rank(env, config, components)
+    return MultiprocExecutor(config, components, ranks=LaunchedRanks(env))

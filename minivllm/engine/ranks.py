@@ -1,21 +1,21 @@
-"""The rules both executors share: which process computes which rank, on which device.
+"""The rules every executor shares: which process computes which rank, on which device.
 
-:func:`simulates_all_ranks` is the ONE rule that picks the executor (read
-from the ``linear`` module the engine's components actually hold);
-:func:`check_model_tp_size` refuses a size the model cannot split before
-anything is loaded; :func:`rank_devices` places the ranks. They live here,
-apart from both executors, so that :mod:`minivllm.engine.executor` and
-:mod:`minivllm.engine.multiproc_executor` import them without importing
-each other.
+:func:`simulates_all_ranks` is the one rule that says whether the linear
+layers play every rank in one process (read from the ``linear`` module the
+engine's components actually hold); :func:`check_model_parallel_sizes`
+refuses a size the model cannot split before anything is loaded;
+:func:`rank_devices` places the ranks and :func:`num_cpus` shares the cores.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from minivllm import backend
+from minivllm.pp_stages import check_pp_size, stage_layer_ranges
 from minivllm.tp_shards import check_tp_size
 
 
@@ -53,22 +53,15 @@ def peek_hf_config(model: str) -> Any | None:
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def check_model_tp_size(model: str, tp_size: int) -> None:
-    """Refuse a ``tp_size`` that does not split ``model`` before loading anything."""
-    check_tp_size(tp_size)
-    if tp_size == 1:
-        return  # every model runs on one rank
-    hf_config = peek_hf_config(model)
-    if hf_config is not None:  # None for a .gguf file: its layers check while loading
-        check_tp_size(tp_size, hf_config)
-
-
 def check_model_parallel_sizes(model: str, tp_size: int, pp_size: int = 1,
-                               pp_layer_partition: Any = None) -> None:
+                               pp_layer_partition: Any = None,
+                               components: backend.Components | None = None) -> None:
     """THE size check: refuse a ``tp_size`` / ``pp_size`` (or a layer partition) that
-    does not split ``model``, with the sizes that work, before loading anything."""
-    from minivllm.pp_stages import check_pp_size, stage_layer_ranges
+    does not split ``model``, with the sizes that work, before loading anything.
 
+    The layers are split by ``pp_layer_partition`` or else by the
+    ``pipeline`` component's rule (``components``; None resolves the global spec).
+    """
     check_tp_size(tp_size)
     check_pp_size(pp_size)
     if tp_size == 1 and pp_size == 1 and pp_layer_partition is None:
@@ -78,22 +71,29 @@ def check_model_parallel_sizes(model: str, tp_size: int, pp_size: int = 1,
         return
     if tp_size > 1:
         check_tp_size(tp_size, hf_config)
-    stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition)
+    rule = backend.as_components(components).pipeline.get_pp_indices
+    stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition, rule)
 
 
-def rank_devices(device: str | torch.device, tp_size: int) -> list[torch.device]:
-    """One device per rank (``tp_size`` = all ranks, tp x pp): all ``cpu``, or
-    ``cuda:first .. cuda:first + tp - 1``."""
+def rank_devices(device: str | torch.device, num_ranks: int) -> list[torch.device]:
+    """One device per rank (``num_ranks`` = all ranks, tp x pp): all ``cpu``, or
+    ``cuda:first .. cuda:first + num_ranks - 1``."""
     device = torch.device(device)
     if device.type == "cpu":
-        return [device] * tp_size
+        return [device] * num_ranks
     if device.type != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
     first, found = device.index or 0, torch.cuda.device_count()
-    if first + tp_size > found:
+    if first + num_ranks > found:
         raise ValueError(
-            f"{tp_size} ranks (tensor_parallel_size x pipeline_parallel_size) need GPUs "
-            f"cuda:{first}..cuda:{first + tp_size - 1}, "
-            f"but {found} are visible"
+            f"{num_ranks} ranks (tensor_parallel_size x pipeline_parallel_size) need GPUs "
+            f"cuda:{first}..cuda:{first + num_ranks - 1}, but {found} are visible"
         )
-    return [torch.device("cuda", first + r) for r in range(tp_size)]
+    return [torch.device("cuda", first + r) for r in range(num_ranks)]
+
+
+def num_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -1,29 +1,34 @@
-"""``Worker``: one rank's model, its slice of the paged KV cache, and its block table.
+"""``Worker``: one rank's model, its slice of the paged KV cache, its block table, its runner.
 
-With ``tensor_parallel_size=1`` the engine runs a single worker in its own
-process. With tensor parallelism each rank runs one (see
-:mod:`minivllm.engine.multiproc_executor`); each rank holds only its own
-weight shards and its own KV heads.
+With one rank the engine runs a single worker in its own process; with
+tensor or pipeline parallelism every rank runs one (see
+:mod:`minivllm.engine.multiproc_executor`), holding only its own weight
+shards, its own KV heads and its own pipeline stage's layers.
 
-Each worker owns its block table (the engine's ``components.block_table``), as vLLM
-v1's GPU model runner owns its ``BlockTable``: every step it applies the
-changes the scheduler made (:class:`~minivllm.metadata.StepInput`: rows of
-finished and preempted requests dropped, new rows, appended block ids) and
-then builds the step's :class:`~minivllm.metadata.ModelInput`, block tables
-and slot mapping included, on its own device, once. So rank 0 never packs
-whole block tables, and the attention kernels find every per-step length as
-a host copy in the frozen :class:`~minivllm.metadata.AttentionMetadata`.
+Each worker owns its block table (the engine's ``components.block_table``),
+as vLLM v1's GPU model runner owns its ``BlockTable``: every step it applies
+the changes the scheduler made (:class:`~minivllm.metadata.StepInput`: rows of
+finished and preempted requests dropped, new rows, appended block ids), builds
+the step's :class:`~minivllm.metadata.ModelInput` (block tables and slot
+mapping included) on its own device, once, and hands it to its model runner
+(the ``model_runner`` component: the model's own forward, or the fast twin's
+CUDA graph / C++ layer stack of that same forward).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from minivllm import backend
-from minivllm.metadata import AttentionMetadata, ModelInput, StepInput
-from minivllm.pp_stages import IntermediateTensors
+from minivllm import backend, distributed
+from minivllm.engine import wire
+from minivllm.engine.config import WorkerConfig
+from minivllm.metadata import ModelInput, StepInput
+from minivllm.pp_stages import IntermediateTensors, StageTiming
 
 logger = logging.getLogger("minivllm")
 
@@ -32,37 +37,33 @@ class Worker:
     """Loads the model on one device and runs forward passes over the paged cache.
 
     Args:
-        model: a registered name, an HF model directory or a ``.gguf`` file.
-        dtype: weight and activation dtype.
-        device: ``"cpu"`` or ``"cuda[:N]"``.
-        tp_size: tensor-parallel world size the layers are built for.
+        config: the model, dtype, device, parallel sizes and how to run it.
         components: the engine's :class:`~minivllm.backend.Components`: the
-            model's layers and the block table come from it (a spec, or None
-            for the global one, is resolved once here).
-        quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"`` (see
-            :mod:`minivllm.model.quantization`).
-        pp_rank, pp_size: this worker is pipeline stage ``pp_rank`` of
-            ``pp_size``: it holds (weights and KV cache) only that stage's layers.
-        pp_layer_partition: layers per stage (``"4,3,3"``), or None for the rule.
+            model's layers, the block table and the model runner come from it
+            (a spec, or None for the global one, is resolved once here).
+        pp_rank: this worker is pipeline stage ``pp_rank``: it holds (weights
+            and KV cache) only that stage's layers.
+        device: this rank's device (default: the config's).
     """
 
-    def __init__(self, model: str, dtype: torch.dtype, device: str | torch.device,
-                 tp_size: int = 1,
+    def __init__(self, config: WorkerConfig,
                  components: backend.Components | backend.BackendSpec | None = None,
-                 quantization: str | None = None, pp_rank: int = 0, pp_size: int = 1,
-                 pp_layer_partition: str | tuple[int, ...] | None = None) -> None:
+                 pp_rank: int = 0, device: torch.device | None = None) -> None:
         from minivllm.model.loader import load_model
 
+        self.config = config
         self.components = backend.as_components(components)
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.device = torch.device(config.device if device is None else device)
+        self.dtype = config.dtype
         self.model, self.hf_config, self.tokenizer = load_model(
-            model, dtype=dtype, device=self.device, tp_size=tp_size,
-            components=self.components, quantization=quantization,
-            pp_rank=pp_rank, pp_size=pp_size, pp_layer_partition=pp_layer_partition,
+            config.model, dtype=config.dtype, device=self.device,
+            tp_size=config.tensor_parallel_size, components=self.components,
+            quantization=config.quantization, pp_rank=pp_rank,
+            pp_size=config.pipeline_parallel_size,
+            pp_layer_partition=config.pp_layer_partition, prepack=config.prepack,
         )
         inner = self.model.model
-        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.pp_rank, self.pp_size = pp_rank, config.pipeline_parallel_size
         self.layer_range = (inner.start_layer, inner.end_layer)
         self.is_first_rank, self.is_last_rank = inner.is_first_rank, inner.is_last_rank
         attn = inner.layers[inner.start_layer].self_attn
@@ -71,8 +72,7 @@ class Worker:
         self.head_dim = attn.head_dim
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = None  # this rank's BlockTables, made by init_kv_cache
-        self.graph_runner = None  # a CUDAGraphRunner once decode graphs are captured
-        self.cpu_fast_path = None  # a CPUFastPath once the KV cache exists (CPU, C++ ops)
+        self.model_runner = None  # made by init_kv_cache, over the KV cache
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV-cache bytes one block costs on this rank, over all layers, K and V."""
@@ -96,30 +96,34 @@ class Worker:
     def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
                       max_num_blocks_per_req: int | None = None) -> None:
         """Allocate one ``(num_blocks, block_size, H_kv, D)`` K and V tensor per layer,
-        and an empty block table for up to ``max_num_reqs`` requests of up to
-        ``max_num_blocks_per_req`` blocks each (default: the whole pool)."""
+        an empty block table for up to ``max_num_reqs`` requests of up to
+        ``max_num_blocks_per_req`` blocks each (default: the whole pool), and
+        the model runner over them."""
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
+        max_blocks = max_num_blocks_per_req or num_blocks
         self.block_tables = self.components.block_table.BlockTables(
-            max_num_reqs, max_num_blocks_per_req or num_blocks, block_size, self.device
-        )
-        self.set_cpu_fast_path(True)
+            max_num_reqs, max_blocks, block_size, self.device)
+        self._runner_shape = (max_num_reqs, max_blocks * block_size, block_size)
+        self.build_model_runner(self.config.enforce_eager)
 
-    def set_cpu_fast_path(self, enabled: bool) -> bool:
-        """Run the forward through :class:`~minivllm.engine.cpu_fast_path.CPUFastPath`
-        (the default where it can run) or plainly; return whether it is now on.
+    def build_model_runner(self, enforce_eager: bool) -> Any:
+        """(Re)build the model runner and return it.
 
-        Both give bit-identical results; benchmarks and tests switch it off to
-        compare. It needs the KV cache (:meth:`init_kv_cache`).
+        ``enforce_eager=True`` runs the model's own forward on every step;
+        otherwise the ``model_runner`` component decides (its fast twin
+        replays CUDA graphs or runs the C++ layer stack, bit for bit the same).
+        Tests and ``bench latency`` switch it to compare the two.
         """
-        from minivllm.engine.cpu_fast_path import CPUFastPath
-
-        self.cpu_fast_path = CPUFastPath.build(self.model, self.kv_caches) if enabled else None
-        return self.cpu_fast_path is not None
+        max_num_seqs, max_model_len, block_size = self._runner_shape
+        self.model_runner = self.components.model_runner.ModelRunner(
+            self.model, self.kv_caches, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            block_size=block_size, enforce_eager=enforce_eager)
+        return self.model_runner
 
     def update_block_tables(self, step_input: StepInput) -> None:
         """Apply the scheduler's block-table changes for this step to this rank's table.
@@ -142,48 +146,9 @@ class Worker:
     def prepare_model_input(self, step_input: StepInput) -> ModelInput:
         """Update the block table, then build this step's model input on this rank's device."""
         self.update_block_tables(step_input)
-        req_ids = list(step_input.req_ids)
-        starts = [s - q for s, q in zip(step_input.seq_lens, step_input.query_lens)]
-        dev = self.device
-        attn_metadata = AttentionMetadata.build(
-            query_lens=step_input.query_lens,
-            seq_lens=step_input.seq_lens,
-            block_tables=self.block_tables.block_table_tensor(req_ids),
-            slot_mapping=self.block_tables.slot_mapping(req_ids, starts,
-                                                        list(step_input.query_lens)),
-            device=dev,
-        )
-        return ModelInput(
-            input_ids=step_input.input_ids.to(dev),
-            positions=step_input.positions.to(dev),
-            attn_metadata=attn_metadata,
-            logits_indices=step_input.logits_indices.to(dev),
-        )
-
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int) -> bool:
-        """Capture decode steps as CUDA graphs (see ``cuda_graph.py``); True on success.
-
-        Needs a CUDA device and the fast attention and cache-write kernels (the
-        ref twins synchronise with the host, which a graph cannot record). Any
-        failure leaves the worker running eagerly, with a warning.
-        """
-        from minivllm.engine.cuda_graph import CUDAGraphRunner
-
-        if self.device.type != "cuda":
-            return False
-        if any(self.components.impls[c] != "fast" for c in ("attention", "cache_write")):
-            logger.warning("minivllm: CUDA graphs need the fast attention and cache_write; "
-                           "running eagerly")
-            return False
-        try:
-            runner = CUDAGraphRunner(self.model, self.kv_caches, max_num_seqs, max_model_len,
-                                     block_size)
-            runner.capture()
-        except Exception as e:  # noqa: BLE001 -- any capture failure means: run eagerly
-            logger.warning("minivllm: CUDA graph capture failed (%s); running eagerly", e)
-            return False
-        self.graph_runner = runner
-        return True
+        return ModelInput.build(self.block_tables, step_input.req_ids, step_input.query_lens,
+                                step_input.seq_lens, step_input.input_ids,
+                                step_input.positions, step_input.logits_indices, self.device)
 
     def execute_model(self, step_input: StepInput) -> torch.Tensor | None:
         """One engine step on this rank: ``(num_sampled, vocab)`` float32 logits.
@@ -204,23 +169,58 @@ class Worker:
 
         On a pipeline stage before the last it takes the previous stage's
         ``intermediate_tensors`` (None on the first) and returns its own; the
-        last stage returns the logits.
+        last stage returns the logits of the rows to sample.
         """
-        if not (self.is_first_rank and self.is_last_rank):
-            out = self.model(model_input.input_ids, model_input.positions, self.kv_caches,
-                             model_input.attn_metadata, intermediate_tensors)
-            if not self.is_last_rank:
-                return out  # IntermediateTensors for the next stage
-            return self.model.compute_logits(out[model_input.logits_indices])
-        if self.graph_runner is not None and self.graph_runner.can_run(model_input):
-            hidden = self.graph_runner.run(model_input)
-        elif self.cpu_fast_path is not None and not torch._C._autograd._profiler_enabled():
-            # While a profiler records, the plain path runs so that its op table names
-            # every kernel; the fast path calls the same kernels, without the ranges.
-            hidden = self.cpu_fast_path.run(model_input)
+        out = self.model_runner.execute_model(model_input, intermediate_tensors)
+        if not self.is_last_rank:
+            return out  # IntermediateTensors for the next stage
+        return self.model.compute_logits(out[model_input.logits_indices])
+
+
+def serve(worker: Worker, link: Any) -> None:
+    """A worker rank's loop (every rank but 0): wait for a command, act on it, until shutdown.
+
+    ``link`` is the rank's :class:`~minivllm.engine.stage_link.StageLink`. A
+    step (``CMD_EXECUTE``): the payload, then (on a later stage) the previous
+    stage's intermediate tensors; this stage's layers; then its output on to
+    the next stage, or (the last stage) the logits back to rank 0. The other
+    commands are the executor's set-up and queries, each a collective every
+    rank joins.
+    """
+    batch, timeline = 0, []  # this rank's StageTiming records
+    while True:
+        header = link.recv_header()
+        cmd = int(header[0])
+        if cmd == wire.CMD_EXECUTE:
+            step_input = wire.unpack_step_input(header, link.recv_payload(int(header[-1])))
+            model_input = worker.prepare_model_input(step_input)
+            if step_input.num_tokens:
+                received = None if link.is_first else link.recv_intermediate(
+                    step_input.num_tokens)
+                start = time.time()
+                out = worker.run_model(model_input, received)
+                timeline.append(StageTiming(batch, link.rank, link.pp_rank, link.tp_rank,
+                                            start, time.time()))
+                if not link.is_last:
+                    link.send_intermediate(out)
+                elif link.pp_size > 1:
+                    link.send_logits(out, step_input.logits_indices.numel())
+            batch += 1
+        elif cmd == wire.CMD_INIT_KV_CACHE:
+            worker.init_kv_cache(*(int(v) for v in header[1:5]))
+        elif cmd == wire.CMD_BYTES_PER_BLOCK:
+            nbytes = torch.tensor([worker.bytes_per_block(int(header[1]))], dtype=torch.int64)
+            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX,
+                            group=distributed.get_world_cpu_group())
+        elif cmd == wire.CMD_MEMORY:
+            dist.gather_object(worker.memory_bytes(), None, dst=0,
+                               group=distributed.get_world_cpu_group())
+        elif cmd == wire.CMD_TIMELINE:
+            dist.gather_object(timeline, None, dst=0, group=distributed.get_world_cpu_group())
+            if int(header[1]):
+                timeline = []
+        elif cmd == wire.CMD_SHUTDOWN:
+            link.wait_sends()
+            return
         else:
-            hidden = self.model(
-                model_input.input_ids, model_input.positions, self.kv_caches,
-                model_input.attn_metadata,
-            )  # (num_tokens, hidden)
-        return self.model.compute_logits(hidden[model_input.logits_indices])
+            raise RuntimeError(f"parallel worker: unknown command {cmd}")
