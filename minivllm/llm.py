@@ -21,7 +21,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from minivllm.engine.llm_engine import EngineConfig, LLMEngine
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestFailedError, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,8 +56,12 @@ class LLM:
         pipeline_parallel_size: number of pipeline stages (consecutive layer
             ranges, docs/pipeline_parallel.md); ``tp x pp`` ranks in all.
             ``pp_layer_partition="4,3,3"`` (keyword) fixes the layers per stage
-            (default: ``$MINIVLLM_PP_LAYER_PARTITION``, else the even split).
-        enforce_eager: on CUDA, do not capture decode steps as CUDA graphs.
+            (default: ``$MINIVLLM_PP_LAYER_PARTITION``, read once, else the
+            ``pipeline`` component's rule).
+        enforce_eager: run the model's own forward on every device: no CUDA
+            graph on a GPU, no C++ layer stack on a CPU (both are bit-identical
+            replays of it), so a breakpoint in ``LlamaDecoderLayer.forward``
+            fires on every step. Slower; for reading and debugging.
         quantization: (keyword) None for float weights; ``"int8"`` (per output
             channel) or ``"int4"`` (groups of 32) quantizes the linear layers at
             load; ``"gguf"`` runs a GGUF's ``Q8_0``/``Q4_0``/``Q4_1`` blocks as

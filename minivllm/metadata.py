@@ -13,21 +13,88 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from minivllm.request import Request
 
 
-@dataclass
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One scheduled request as it was when the scheduler decided (a snapshot).
+
+    vLLM's ``NewRequestData`` / ``CachedRequestData`` in one record: what the
+    rest of the step reads about a request, copied when the
+    :class:`SchedulerOutput` is made, so the step never reads a live
+    :class:`~minivllm.request.Request` that a later step (a pipeline keeps
+    several in flight) may already have advanced.
+
+    Attributes:
+        request_id: the request.
+        num_computed_tokens: tokens whose K/V were in the cache before this step.
+        num_scheduled_tokens: tokens this step computes (its drafts included).
+        token_ids: those tokens: the next ones of the request (a prefill
+            chunk, or its last sampled token), then its drafts. Shorter than
+            ``num_scheduled_tokens`` only if the request does not have them
+            (the engine then fails that request alone).
+        spec_token_ids: the draft tokens it verifies (the tail of ``token_ids``).
+        num_tokens: prompt plus output tokens it had (drafts not counted).
+        num_prompt_tokens: its prompt's length.
+        new_block_ids: the block ids its block-table row gains this step.
+        is_new: admitted this step (new, or resumed after a preemption): the
+            worker gives it a new row.
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    token_ids: tuple[int, ...]
+    spec_token_ids: tuple[int, ...]
+    num_tokens: int
+    num_prompt_tokens: int
+    new_block_ids: tuple[int, ...]
+    is_new: bool
+
+    def check_tokens(self) -> None:
+        """Raise ``ValueError`` unless the request had every token it was scheduled for."""
+        if len(self.token_ids) != self.num_scheduled_tokens:
+            raise ValueError(f"request {self.request_id!r}: {self.num_scheduled_tokens} tokens "
+                             f"scheduled from {self.num_computed_tokens}, but it has "
+                             f"{self.num_tokens}")
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step samples a token for it: every token it has is then computed
+        (a prefill chunk that is not the last one samples nothing)."""
+        return (self.num_computed_tokens + self.num_scheduled_tokens
+                - len(self.spec_token_ids)) == self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """A decode: its prompt was computed, and it computes one token (plus its drafts)."""
+        return (self.num_computed_tokens >= self.num_prompt_tokens
+                and self.num_scheduled_tokens == 1 + len(self.spec_token_ids))
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
-    """What the scheduler decided for one step.
+    """What the scheduler decided for one step; frozen, and made of snapshots.
+
+    The scheduler (a course component) builds it with the fields below; the
+    constructor turns every container into an immutable one and snapshots
+    each scheduled request (:attr:`scheduled`), so whatever reads it later
+    (the batch builder, the sampler, the statistics; a step in flight on a
+    pipeline) sees the step as it was decided.
 
     Attributes:
         scheduled_requests: the requests to run this step, running ones first
-            (in their running order), then newly admitted ones.
+            (in their running order), then newly admitted ones. Only the
+            scheduler itself (its ``update_from_output``) touches these live
+            objects; everything else reads :attr:`scheduled`.
         num_scheduled_tokens: request_id -> number of new tokens to compute
             this step. Request ``r`` computes ``r.all_token_ids[r.num_computed_tokens :
             r.num_computed_tokens + n]`` at positions starting at
@@ -58,18 +125,46 @@ class SchedulerOutput:
         num_prefix_cache_queries: tokens of the requests admitted this step
             that were looked up in the prefix cache.
         num_prefix_cache_hits: of those, tokens found there (not recomputed).
+        scheduled: (made by the constructor) one :class:`ScheduledRequest`
+            snapshot per scheduled request, in ``scheduled_requests`` order.
     """
 
-    scheduled_requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_requests: Sequence[Request] = ()
+    num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
-    preempted_req_ids: list[str] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
-    new_req_ids: list[str] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted_req_ids: Sequence[str] = ()
+    finished_req_ids: Sequence[str] = ()
+    new_req_ids: Sequence[str] = ()
+    new_block_ids: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: Mapping[str, Sequence[int]] = field(default_factory=dict)
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    scheduled: tuple[ScheduledRequest, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        freeze = object.__setattr__  # a frozen dataclass sets its fields this way
+        freeze(self, "scheduled_requests", tuple(self.scheduled_requests))
+        freeze(self, "num_scheduled_tokens", MappingProxyType(dict(self.num_scheduled_tokens)))
+        freeze(self, "preempted_req_ids", tuple(self.preempted_req_ids))
+        freeze(self, "finished_req_ids", tuple(self.finished_req_ids))
+        freeze(self, "new_req_ids", tuple(self.new_req_ids))
+        freeze(self, "new_block_ids", MappingProxyType(
+            {rid: tuple(ids) for rid, ids in self.new_block_ids.items()}))
+        freeze(self, "scheduled_spec_decode_tokens", MappingProxyType(
+            {rid: tuple(ids) for rid, ids in self.scheduled_spec_decode_tokens.items()}))
+        new = set(self.new_req_ids)
+        snapshots = []
+        for r in self.scheduled_requests:
+            rid, start = r.request_id, r.num_computed_tokens
+            n = self.num_scheduled_tokens[rid]
+            drafts = self.scheduled_spec_decode_tokens.get(rid, ())
+            snapshots.append(ScheduledRequest(
+                request_id=rid, num_computed_tokens=start, num_scheduled_tokens=n,
+                token_ids=(*r.all_token_ids[start : start + n - len(drafts)], *drafts),
+                spec_token_ids=drafts, num_tokens=r.num_tokens,
+                num_prompt_tokens=r.num_prompt_tokens,
+                new_block_ids=self.new_block_ids.get(rid, ()), is_new=rid in new))
+        freeze(self, "scheduled", tuple(snapshots))
 
     @property
     def is_empty(self) -> bool:
@@ -77,17 +172,22 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
     @property
-    def removed_req_ids(self) -> list[str]:
+    def removed_req_ids(self) -> tuple[str, ...]:
         """Requests whose block-table rows go away: finished, aborted or preempted."""
-        return [*self.finished_req_ids, *self.preempted_req_ids]
+        return (*self.finished_req_ids, *self.preempted_req_ids)
+
+    @property
+    def decode_req_ids(self) -> frozenset[str]:
+        """The scheduled decodes (one token, plus its drafts)."""
+        return frozenset(r.request_id for r in self.scheduled if r.is_decode)
 
 
 @dataclass(frozen=True)
 class StepInput:
     """One step's batch as rank 0 sends it to every rank: host-side, no block tables.
 
-    The engine's :class:`~minivllm.engine.model_runner.ModelRunner` builds it
-    from a :class:`SchedulerOutput`; each rank's
+    The engine builds it from a :class:`SchedulerOutput`
+    (:meth:`from_scheduler_output`); each rank's
     :class:`~minivllm.engine.worker.Worker` first applies the block-table
     changes to its own table (drop ``removed_req_ids``, add a row for each of
     ``new_req_ids``, append ``new_block_ids``), then builds the step's
@@ -127,6 +227,40 @@ class StepInput:
     def num_tokens(self) -> int:
         """Tokens computed this step (0: only block-table changes)."""
         return self.input_ids.numel()
+
+    @classmethod
+    def from_scheduler_output(cls, so: SchedulerOutput,
+                              failed: Sequence[str] = ()) -> StepInput:
+        """Flatten the scheduled chunks into one batch (leaving out the ``failed`` requests).
+
+        For every scheduled request its tokens (``ScheduledRequest.token_ids``)
+        are laid end to end, with no padding, with their positions; the rows
+        whose logits are sampled are recorded: a request that samples this
+        step has ``1 + d`` of them, its last real token then each of its ``d``
+        drafts (a draft's logits score the token after it).
+        """
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        reqs = [r for r in so.scheduled if r.request_id not in failed]
+        for r in reqs:
+            token_ids.extend(r.token_ids)
+            positions.extend(range(r.num_computed_tokens,
+                                   r.num_computed_tokens + r.num_scheduled_tokens))
+            if r.samples:
+                end = len(token_ids)
+                logits_indices.extend(range(end - 1 - len(r.spec_token_ids), end))
+        return cls(
+            req_ids=tuple(r.request_id for r in reqs),
+            new_req_ids=frozenset(r.request_id for r in reqs if r.is_new),
+            new_block_ids=tuple(r.new_block_ids for r in reqs),
+            removed_req_ids=so.removed_req_ids,
+            query_lens=tuple(r.num_scheduled_tokens for r in reqs),
+            seq_lens=tuple(r.num_computed_tokens + r.num_scheduled_tokens for r in reqs),
+            input_ids=torch.tensor(token_ids, dtype=torch.int64),  # (T,)
+            positions=torch.tensor(positions, dtype=torch.int64),  # (T,)
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # (num_sampled,)
+        )
 
 
 @dataclass(frozen=True)
@@ -243,3 +377,27 @@ class ModelInput:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
+
+    @classmethod
+    def build(cls, block_tables: Any, req_ids: Sequence[str], query_lens: Sequence[int],
+              seq_lens: Sequence[int], input_ids: torch.Tensor, positions: torch.Tensor,
+              logits_indices: torch.Tensor, device: str | torch.device) -> ModelInput:
+        """The model input for a flat batch over the rows of ``block_tables``.
+
+        ``block_tables`` is a ``BlockTables`` (either twin) that already holds a
+        row for each of ``req_ids``; request ``i`` computes its last
+        ``query_lens[i]`` tokens of ``seq_lens[i]``. The one place a step's
+        block tables and slot mapping are read out (the worker, and a draft
+        model's proposer, build their inputs here).
+        """
+        req_ids = list(req_ids)
+        starts = [s - q for s, q in zip(seq_lens, query_lens)]
+        attn_metadata = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=block_tables.block_table_tensor(req_ids),
+            slot_mapping=block_tables.slot_mapping(req_ids, starts, list(query_lens)),
+            device=device,
+        )
+        return cls(input_ids=input_ids.to(device), positions=positions.to(device),
+                   attn_metadata=attn_metadata, logits_indices=logits_indices.to(device))

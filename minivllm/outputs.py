@@ -88,32 +88,6 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    """Timestamps of one request's life (``time.monotonic()`` seconds), as in vLLM.
-
-    Attributes:
-        arrival_time: when the request was added.
-        first_scheduled_time: when it was first scheduled (None until then).
-        first_token_time: when its first output token was sampled.
-        last_token_time: when its latest output token was sampled.
-        finished_time: when it finished (None while running).
-    """
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        """Seconds from arrival to the first output token (TTFT)."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-
-@dataclass
 class RequestOutput:
     """Everything the engine reports for one request at one step (or at the end).
 
@@ -124,7 +98,6 @@ class RequestOutput:
         outputs: one :class:`CompletionOutput` per completion (``n=1``: one).
         finished: True once the request has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
-        metrics: timestamps, when the engine records them.
         prompt_logprobs: always None here (minivllm does not compute them).
         error: the exception that ended this request, when a failure that
             belongs to it alone (preparing its inputs, sampling it,
@@ -139,7 +112,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None = None
-    metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
     error: BaseException | None = field(default=None, repr=False)
 
@@ -240,10 +212,6 @@ class StepStats:
     def num_decode_tokens(self) -> int:
         """Tokens of the decodes (a decode verifying ``d`` drafts computes ``1 + d``)."""
         return sum(self.num_scheduled_tokens[r] for r in self.decode_req_ids)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_batched_tokens - self.num_decode_tokens
 
     @property
     def kv_cache_usage(self) -> float:

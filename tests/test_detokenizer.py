@@ -14,7 +14,7 @@ from conftest import byte_tokenizer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.engine.output_processor import IncrementalDetokenizer
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 

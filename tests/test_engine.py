@@ -293,7 +293,8 @@ def test_fast_matches_ref_on_cuda_with_cuda_graphs(tiny_model_dir):
         llm = LLM(str(path), backend=spec, dtype="float32", device="cuda", max_model_len=1024,
                   max_num_seqs=16, max_num_batched_tokens=128, num_gpu_blocks_override=512)
         if spec == "fast":
-            assert llm.llm_engine.executor.worker.graph_runner is not None, "no CUDA graphs"
+            runner = llm.llm_engine.executor.worker.model_runner
+            assert runner.fast_paths == ("cuda_graphs",), runner.describe()
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24),
                            use_tqdm=False)
         outs[spec] = [o.outputs[0].token_ids for o in res]

@@ -201,7 +201,7 @@ def test_generate_raises_naming_the_field_or_works(fuzz_llm, prompt, kw):
                                     "max_model_len", "sampling_params")), e
         else:
             assert all(o.finished and o.error is None for o in outs)
-    assert not engine.has_unfinished_requests() and not engine.states
+    assert not engine.has_unfinished_requests() and not engine.output_processor.states
     assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
 
 

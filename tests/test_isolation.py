@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.engine import model_runner
+from minivllm.engine import sampling
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
+from minivllm.engine.output_processor import IncrementalDetokenizer
+from minivllm.metadata import ScheduledRequest
 from minivllm.outputs import RequestFailedError
 
 VICTIM = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]  # a prompt length no other request has
@@ -62,7 +63,7 @@ def _run(engine, with_victim: bool):
     victim = engine.add_request(None, VICTIM, _victim_params()) if with_victim else None
     final = _drain(engine)
     assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks  # no leak
-    assert not engine.states and not engine.runner.seeded_generators
+    assert not engine.output_processor.states and not engine.sampler.seeded_generators
     assert not engine.scheduler.requests
     return [final[i] for i in ids], (final.get(victim) if victim is not None else None)
 
@@ -82,25 +83,26 @@ def _is_victim_detok(d) -> bool:
 
 
 def _inject_prepare(monkeypatch):
-    real = model_runner.ModelRunner._request_tokens
+    real = ScheduledRequest.check_tokens
 
-    def tokens(request, start, count):
-        if _is_victim_request(request) and request.num_output_tokens >= 2:
+    def check(snapshot):
+        if snapshot.num_prompt_tokens == len(VICTIM) and \
+                snapshot.num_tokens - snapshot.num_prompt_tokens >= 2:
             raise Boom("prepare_inputs")
-        return real(request, start, count)
+        return real(snapshot)
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_request_tokens", staticmethod(tokens))
+    monkeypatch.setattr(ScheduledRequest, "check_tokens", check)
 
 
 def _inject_sample(monkeypatch):
-    real = model_runner.SamplingMetadata.from_requests
+    real = sampling.SamplingMetadata.from_requests
 
     def from_requests(requests, *args, **kwargs):
         if any(_is_victim_request(r) and r.num_output_tokens >= 3 for r in requests):
             raise Boom("sample")
         return real(requests, *args, **kwargs)
 
-    monkeypatch.setattr(model_runner.SamplingMetadata, "from_requests", from_requests)
+    monkeypatch.setattr(sampling.SamplingMetadata, "from_requests", from_requests)
 
 
 def _inject_detokenize(monkeypatch):
@@ -180,14 +182,14 @@ def test_a_failure_while_adding_leaves_nothing_behind(engine, undisturbed, monke
         with pytest.raises(Boom):
             engine.add_request(None, VICTIM, _victim_params(), request_id="v")
     with monkeypatch.context() as m:
-        m.setattr(model_runner.ModelRunner, "make_generator",
+        m.setattr(sampling.StepSampler, "make_generator",
                   lambda self, r: (_ for _ in ()).throw(Boom("generator")))
         with pytest.raises(Boom):
             engine.add_request(None, VICTIM, _victim_params(), request_id="v")
     # A request that can never fit is refused by the scheduler, the last check.
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request(None, VICTIM * 20, SamplingParams(max_tokens=1))
-    assert not engine.states and not engine.runner.seeded_generators
+    assert not engine.output_processor.states and not engine.sampler.seeded_generators
     assert not engine.scheduler.requests and not engine.has_unfinished_requests()
     assert engine.scheduler.num_free_blocks == blocks
     others, _ = _run(engine, with_victim=False)

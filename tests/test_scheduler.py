@@ -403,7 +403,7 @@ def test_preemption_sends_tail_to_front_of_waiting():
     out = _run_step(sched)
     assert out.num_scheduled_tokens == {"a": 4, "b": 4}  # 4 blocks used: c waits
     out = _run_step(sched)  # a, b decode into their second blocks: no room
-    assert out.num_scheduled_tokens == {"a": 1} and out.preempted_req_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1} and list(out.preempted_req_ids) == ["b"]
     b = sched.requests["b"]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
@@ -463,4 +463,4 @@ def test_abort_frees_blocks():
     sched.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished_requests()
     assert sched.num_free_blocks == 8
-    assert sched.schedule().finished_req_ids == ["a", "b"]
+    assert list(sched.schedule().finished_req_ids) == ["a", "b"]

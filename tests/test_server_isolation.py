@@ -22,9 +22,9 @@ import pytest
 from server_utils import offline_backend
 
 from minivllm import LLM, SamplingParams
-from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.engine import model_runner
+from minivllm.engine import sampling
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.output_processor import IncrementalDetokenizer
 from minivllm.entrypoints.openai.api_server import ServerThread
 
 VICTIM = [7] * 11  # a prompt length no other request has
@@ -40,14 +40,14 @@ class Boom(RuntimeError):
 
 
 def _inject_sample(monkeypatch) -> None:
-    real = model_runner.SamplingMetadata.from_requests
+    real = sampling.SamplingMetadata.from_requests
 
     def from_requests(requests, *args, **kwargs):
         if any(r.prompt_token_ids == VICTIM and r.num_output_tokens >= 3 for r in requests):
             raise Boom("injected into sampling")
         return real(requests, *args, **kwargs)
 
-    monkeypatch.setattr(model_runner.SamplingMetadata, "from_requests", from_requests)
+    monkeypatch.setattr(sampling.SamplingMetadata, "from_requests", from_requests)
 
 
 def _inject_detokenize(monkeypatch) -> None:

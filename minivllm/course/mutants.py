@@ -66,7 +66,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "token_budget > 0 and not preempted_req_ids:", "token_budget > 0:",
            "waiting requests are admitted in a step that preempted"),
     Mutant("preempt_head", "scheduler", "scheduler",
-           "victim = self.running.pop()", "victim = self.running.pop(0)",
+           "for r in reversed(self.running)", "for r in self.running",
            "preemption picks the oldest running request instead of the newest"),
     Mutant("eps_outside_sqrt", "rms_norm", "layernorm",
            "normed = x32 * torch.rsqrt(mean_square + eps)",

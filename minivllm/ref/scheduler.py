@@ -33,6 +33,14 @@ that do not fit are dropped), and become the step's
 over the drafts that were rejected: their K/V slots stay allocated and are
 simply overwritten by a later step. A preempted request loses its drafts.
 
+**Requests in flight** (pipeline parallelism keeps up to
+``pipeline_parallel_size`` steps in flight): :meth:`Scheduler.schedule` takes
+the ids of the requests whose step has not come back yet (``in_flight``,
+keyword-only). They are left out: neither scheduled again (their next token
+is not known yet) nor preempted (a step in flight is using their blocks);
+they still count against ``max_num_seqs``. The engine passes it only with a
+pipeline, so a scheduler written without it still serves every other engine.
+
 A request that could never fit (longer than ``max_model_len``, or needing
 more blocks than the whole pool) is rejected by :meth:`add_request`, so the
 loop above always makes progress: alone, any request fits.
@@ -41,7 +49,7 @@ loop above always makes progress: alone, any request fits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
@@ -162,8 +170,12 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch; see the module docstring for the rules."""
+    def schedule(self, *, in_flight: Collection[str] = frozenset()) -> SchedulerOutput:
+        """Decide this step's batch; see the module docstring for the rules.
+
+        ``in_flight``: ids of running requests whose previous step has not come
+        back yet; they are neither scheduled nor preempted.
+        """
         # BEGIN SOLUTION
         token_budget = self.scheduler_config.max_num_batched_tokens
         scheduled_running: list[Request] = []
@@ -178,6 +190,9 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if request.request_id in in_flight:  # its step is still in the pipeline
+                req_index += 1
+                continue
             # A decode with drafts computes its last token plus the drafts that fit.
             num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
                                  token_budget)
@@ -194,7 +209,11 @@ class Scheduler:
                     request, num_new_tokens, **lookahead)
                 if new_blocks is not None:
                     break
-                victim = self.running.pop()  # the most recently admitted request
+                # The most recently admitted request that is not in flight (at worst
+                # the request itself).
+                victim = next(r for r in reversed(self.running)
+                              if r.request_id not in in_flight)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted_req_ids.append(victim.request_id)
                 if victim is request:

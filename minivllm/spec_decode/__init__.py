@@ -4,13 +4,14 @@
   ``speculative_config`` (method, ``num_speculative_tokens``, n-gram lookup
   lengths, the draft model).
 - :mod:`minivllm.spec_decode.metadata`: :class:`SpecDecodeMetadata` (one step's
-  draft tokens, flattened), :class:`RejectionSamplerOutput`, and the helpers
+  draft tokens, flattened), :class:`RejectionSamplerOutput`, :class:`SpecStats`, and the helpers
   both rejection-sampler twins call: input checks, per-position sampling
   metadata and the one place verification randomness is drawn.
 - :mod:`minivllm.spec_decode.proposer`: the :class:`Proposer` protocol (the
-  hook a draft model plugs into) and the n-gram proposer.
-- :mod:`minivllm.spec_decode.step`: :class:`SpecDecoder`, the speculative part
-  of an engine step (verify, count, propose).
+  hook a draft model plugs into), the n-gram proposer, and the
+  :class:`Speculator` the engine's step calls (who gets drafts, how many).
+  Verification is the engine's sampling step
+  (:mod:`minivllm.engine.sampling`, the ``rejection_sampler`` component).
 - :mod:`minivllm.spec_decode.backoff`: when a request stops getting drafts.
 - :mod:`minivllm.spec_decode.draft_model`: the draft-model proposer, including
   self-speculation on the target's first ``L`` layers

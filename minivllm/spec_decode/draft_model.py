@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import torch
 
 from minivllm import backend
-from minivllm.metadata import AttentionMetadata, ModelInput
+from minivllm.metadata import ModelInput
 from minivllm.request import Request
 from minivllm.sampling_metadata import SamplingMetadata, draw_exponentials
 
@@ -93,17 +93,19 @@ class DraftModelProposer:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_tables, vocab_size: int,
                  shares_target_cache: bool, components: backend.Components | None = None,
-                 seed: int = 0) -> None:
-        from minivllm.engine.cpu_fast_path import CPUFastPath
-
+                 seed: int = 0, enforce_eager: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_tables = block_tables
         self.vocab_size = vocab_size
         self.device = kv_caches[0][0].device
         self.shares_target_cache = shares_target_cache
-        self.sampler = backend.as_components(components).sampler
-        self.fast_path = CPUFastPath.build(model, kv_caches)  # None where it cannot run
+        components = backend.as_components(components)
+        self.sampler = components.sampler
+        # The engine's model runner component, over the draft's layers and cache:
+        # the model's own forward, or its fast twin's bit-identical C++ stack.
+        self.runner = components.model_runner.ModelRunner(
+            model, kv_caches, block_size=block_tables.block_size, enforce_eager=enforce_eager)
         self.generator = torch.Generator(device=self.device).manual_seed(draft_seed(seed))
         self.seeded_generators: dict[str, torch.Generator] = {}
         # A separate draft: request id -> (the request, its preemption count, the
@@ -118,7 +120,8 @@ class DraftModelProposer:
         draft = worker.model.first_layers(layers)
         return cls(draft, worker.kv_caches[:layers], worker.block_tables,
                    worker.model.config.vocab_size, shares_target_cache=True,
-                   components=worker.components, seed=seed)
+                   components=worker.components, seed=seed,
+                   enforce_eager=worker.config.enforce_eager)
 
     @classmethod
     def separate(cls, worker, model: str, num_draft_layers: int | None = None,
@@ -146,7 +149,8 @@ class DraftModelProposer:
                       torch.zeros(shape, dtype=worker.dtype, device=worker.device))
                      for _ in draft.model.layers]
         return cls(draft, kv_caches, worker.block_tables, vocab, shares_target_cache=False,
-                   components=worker.components, seed=seed)
+                   components=worker.components, seed=seed,
+                   enforce_eager=worker.config.enforce_eager)
 
     def first_uncached(self, request: Request) -> int:
         """The first position whose draft K/V must be computed before drafting.
@@ -223,27 +227,16 @@ class DraftModelProposer:
     def _forward(self, requests: Sequence[Request],
                  chunks: list[tuple[int, list[int]]]) -> torch.Tensor:  # (len(requests), V)
         """One draft forward pass over ``chunks[i] = (start, tokens)``; each last row's logits."""
-        req_ids = [r.request_id for r in requests]
         starts = [s for s, _ in chunks]
         counts = [len(t) for _, t in chunks]
-        md = AttentionMetadata.build(
-            query_lens=counts,
-            seq_lens=[s + n for s, n in zip(starts, counts)],
-            block_tables=self.block_tables.block_table_tensor(req_ids),
-            slot_mapping=self.block_tables.slot_mapping(req_ids, starts, counts),
-            device=self.device,
-        )
         ids = torch.tensor([t for _, toks in chunks for t in toks], dtype=torch.int64)
         positions = torch.tensor([p for s, n in zip(starts, counts) for p in range(s, s + n)],
                                  dtype=torch.int64)
         last = torch.tensor(counts).cumsum(0) - 1  # (B,) each chunk's last row
-        model_input = ModelInput(input_ids=ids.to(self.device),
-                                 positions=positions.to(self.device),
-                                 attn_metadata=md, logits_indices=last.to(self.device))
-        if self.fast_path is not None and not torch._C._autograd._profiler_enabled():
-            hidden = self.fast_path.run(model_input)
-        else:
-            hidden = self.model(model_input.input_ids, model_input.positions, self.kv_caches, md)
+        model_input = ModelInput.build(self.block_tables, [r.request_id for r in requests],
+                                       counts, [s + n for s, n in zip(starts, counts)], ids,
+                                       positions, last, self.device)
+        hidden = self.runner.execute_model(model_input)
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]
@@ -259,17 +252,19 @@ class DraftModelProposer:
         return sample_drafts(logits, md, self.sampler)
 
 
-def make_draft_proposer(config, executor, seed: int = 0) -> DraftModelProposer:
-    """The proposer of ``speculative_config`` method ``draft_model`` for an engine's executor.
+def make_draft_proposer(config, worker, seed: int = 0) -> DraftModelProposer:
+    """The proposer of ``speculative_config`` method ``draft_model`` beside ``worker``.
 
-    The draft runs beside the target, in the process that holds its model and
-    KV cache: one in-process worker (``tensor_parallel_size=1``, or the ref's
-    simulated ranks). ``ValueError`` for worker processes.
+    The draft runs beside the target, in the process that holds its whole
+    model and KV cache: the executor's
+    :meth:`~minivllm.engine.executor.Executor.whole_model_worker` (one rank,
+    or the ref's simulated ranks). ``ValueError`` when there is none (one
+    process per rank: the draft's forward would run on rank 0 alone, its
+    collectives waiting forever for the others).
     """
-    worker = getattr(executor, "worker", None)
     if worker is None:
-        raise ValueError("speculative_config.method 'draft_model' needs the model in this "
-                         "process (tensor_parallel_size=1, or the ref's simulated ranks); "
+        raise ValueError("speculative_config.method 'draft_model' needs the whole model in "
+                         "this process (tensor_parallel_size=1, or the ref's simulated ranks); "
                          "with one process per rank use method 'ngram'")
     if config.model is None:
         return DraftModelProposer.self_speculation(worker, config.num_draft_layers, seed)

@@ -40,6 +40,24 @@ MAX_SPEC_LEN = 32
 
 
 @dataclass(frozen=True)
+class SpecStats:
+    """One step's verification counts, as vLLM's ``SpecDecodingStats``.
+
+    Attributes:
+        num_drafts: requests that verified at least one draft.
+        num_draft_tokens: drafts verified.
+        num_accepted_tokens: drafts accepted (the extra token is not counted).
+        num_accepted_tokens_per_pos: per draft position ``j``, how many
+            requests accepted their draft ``j`` (length ``k``).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class SpecDecodeMetadata:
     """One step's draft tokens, on the device and on the host.
 

@@ -45,7 +45,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from minivllm import backend
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
+from minivllm.spec_decode.backoff import BackOff
 from minivllm.spec_decode.config import SpeculativeConfig
 
 
@@ -93,7 +94,7 @@ def make_proposer(config: SpeculativeConfig, components: backend.Components,
     if config.method == "draft_model":
         from minivllm.spec_decode.draft_model import make_draft_proposer
 
-        return make_draft_proposer(config, executor)
+        return make_draft_proposer(config, executor.whole_model_worker())
     raise ValueError(f"speculative_config.method {config.method!r} has no proposer in this "
                      f"engine yet (built: 'ngram')")
 
@@ -107,3 +108,88 @@ def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
     if config is None or config.method == "ngram":
         return 0
     return config.num_speculative_tokens
+
+
+class Speculator:
+    """Who gets drafts, and how many, each step; the proposer that guesses them.
+
+    The engine's step calls it twice: :meth:`record` after verification (each
+    request's acceptance feeds its back-off, :mod:`.backoff`) and
+    :meth:`propose` after the scheduler has appended the step's tokens.
+
+    Args:
+        config: the engine's :class:`SpeculativeConfig`.
+        proposer: who guesses (:func:`make_proposer`).
+        max_model_len: drafts never reach past it.
+    """
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.backoff = BackOff()
+
+    def record(self, request_id: str, num_accepted: int, num_drafts: int, step: int) -> None:
+        """One verification of ``num_drafts >= 1`` drafts at engine step ``step``."""
+        self.backoff.record(request_id, num_accepted, num_drafts, step)
+
+    def propose(self, running: Sequence[Request], step: int) -> dict[str, torch.Tensor]:
+        """Set ``spec_token_ids`` of every running request for the next step.
+
+        Returns each request's draft distributions ``q`` (``(d, V)``; none for
+        a proposer without them). Only a request whose every token but the
+        last sampled one is computed gets drafts (not one in prefill or
+        recomputing after a preemption), none while it is backed off, none at
+        all in a step with at least ``disable_by_batch_size`` running requests.
+        """
+        limit = self.config.disable_by_batch_size
+        batch_off = limit is not None and len(running) >= limit
+        requests, caps = [], []
+        for r in running:
+            r.spec_token_ids = []
+            if batch_off or r.status != RequestStatus.RUNNING \
+                    or r.num_computed_tokens != r.num_tokens - 1 \
+                    or not self.backoff.may_propose(r.request_id, step):
+                continue
+            cap = self.max_num_drafts(r)
+            if cap > 0:
+                requests.append(r)
+                caps.append(cap)
+        if not requests:
+            return {}
+        drafts, probs = self.proposer.propose(requests, caps)
+        draft_probs: dict[str, torch.Tensor] = {}
+        at = 0
+        for r, d, cap in zip(requests, drafts, caps):
+            d = list(d)
+            if len(d) > cap:
+                raise ValueError(f"the proposer gave request {r.request_id!r} {len(d)} drafts; "
+                                 f"at most {cap} were allowed")
+            r.spec_token_ids = d
+            if probs is not None and d:
+                draft_probs[r.request_id] = probs[at : at + len(d)]
+            at += len(d)
+        return draft_probs
+
+    def max_num_drafts(self, request: Request) -> int:
+        """``k``, capped so that no draft lies past what plain decoding could emit.
+
+        Drafts stay below ``max_model_len`` and leave room for the extra token
+        within ``max_tokens``; below ``min_tokens`` a request gets at most
+        ``min_tokens - num_output_tokens - 1`` drafts, so that every position
+        it verifies is still below ``min_tokens`` (the stop tokens stay masked
+        at all of them, as the rejection sampler masks per request).
+        """
+        n_out = request.num_output_tokens
+        cap = min(self.config.num_speculative_tokens,
+                  self.max_model_len - request.num_tokens,
+                  request.max_tokens - n_out - 1)
+        min_tokens = request.sampling_params.min_tokens
+        if n_out < min_tokens:
+            cap = min(cap, min_tokens - n_out - 1)
+        return max(cap, 0)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept for a finished request."""
+        self.backoff.forget(request_id)

@@ -1,0 +1,88 @@
+"""Input processing: a prompt and its ``SamplingParams`` become a checked ``Request``.
+
+vLLM v1's input processor: everything a request needs is checked and built
+here, *before* the scheduler sees it, so a bad request raises ``ValueError``
+naming the field and leaves the engine as it was:
+
+- the types, an empty prompt, prompt + ``max_tokens`` beyond
+  ``max_model_len`` (checked before the ids are scanned, so a huge prompt
+  costs nothing), token ids outside the vocabulary (:meth:`InputProcessor.validate_prompt`);
+- the sampling parameters again (a ``SamplingParams`` can be changed after it
+  was made), the request id;
+- the :class:`~minivllm.request.Request`, its own generator (for a seed: a
+  seed torch refuses fails here, not in a later step), its detokenizer and
+  stop strings, its output state (:meth:`InputProcessor.process`).
+
+The scheduler's ``add_request`` is the last check (a request that needs more
+KV blocks than the whole pool); :meth:`minivllm.engine.llm_engine.LLMEngine.add_request`
+calls it only once everything here has succeeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minivllm.engine.output_processor import IncrementalDetokenizer, RequestState
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    """Checks requests and builds what the engine keeps for each.
+
+    Args:
+        tokenizer: the model's tokenizer (the detokenizer and stop strings need it).
+        vocab_size: the model's vocabulary size (token ids must be below it).
+        max_model_len: the longest prompt + output.
+        eos_token_id: the model's end-of-sequence id (None if it has none).
+        sampler: the engine's :class:`~minivllm.engine.sampling.StepSampler`
+            (it makes a seeded request's own generator).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 eos_token_id: int | None, sampler: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.sampler = sampler
+
+    def validate_prompt(self, prompt_token_ids: list[int],
+                        sampling_params: SamplingParams) -> None:
+        """Raise ``ValueError`` if this prompt can never be served (see the module docstring)."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, "
+                             f"got {type(prompt_token_ids).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        # The length first: a huge prompt is refused without scanning it.
+        max_tokens = sampling_params.max_tokens
+        need = len(prompt_token_ids) + (max_tokens if isinstance(max_tokens, int) else 1)
+        if need > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({max_tokens}) must be at most max_model_len={self.max_model_len}"
+            )
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad[:5]}")
+
+    def process(self, prompt: str | None, prompt_token_ids: list[int],
+                sampling_params: SamplingParams, request_id: str
+                ) -> tuple[Request, RequestState, torch.Generator | None]:
+        """The checked request, its output state and its own generator (None without a seed)."""
+        self.validate_prompt(prompt_token_ids, sampling_params)
+        sampling_params.verify()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id)
+        generator = self.sampler.make_generator(request)
+        detokenizer = IncrementalDetokenizer.from_request(self.tokenizer, request)
+        return request, RequestState(prompt, detokenizer, sampling_params), generator
