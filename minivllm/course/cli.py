@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         print(table)
         return 0 if all(r.score == r.points for r in results) else 1
     if args.action == "submit":
-        from minivllm.course.grade import submit
+        from minivllm.course.reports import submit
 
         print(f"wrote {submit(args.package_dir, args.output)}")
         return 0
