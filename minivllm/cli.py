@@ -63,7 +63,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "external_launcher (torchrun started them, on one or several "
                         "machines; rank 0 runs the command, the others serve it). "
                         "Default: external_launcher under torchrun, else uni or mp")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run the model's own forward on every device: no CUDA graph on a GPU, "
+                        "no C++ layer stack on a CPU (both replay it bit for bit), so a "
+                        "breakpoint in LlamaDecoderLayer.forward fires; slower")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
