@@ -11,9 +11,10 @@ greedy), stepping the engine by hand, and reports:
   per request each), and its inverse in tokens/s;
 - the end-to-end latency of the whole request.
 
-Each figure is measured twice in one run: with the CPU fast path
-(:mod:`minivllm.engine.cpu_fast_path`, the default where it runs) and with the
-plain forward, so their ratio needs no quiet machine.
+Each figure is measured twice in one run: with the fast model runner (the
+``model_runner`` component's fast twin: the C++ layer stack on a CPU, CUDA
+graphs on a GPU; the default where it runs) and with the model's own forward
+(``enforce_eager``), so their ratio needs no quiet machine.
 
 **Host overhead** is defined here as *decode step wall time minus the time
 the step spends inside compute kernels*. The wall time comes from the steps
@@ -44,6 +45,7 @@ import random
 import time
 from pathlib import Path
 
+from minivllm.bench.harness import describe_machine, machine
 from minivllm.profiler import Profiler
 
 #: The op-table categories that are model kernels (the sampler is host work here).
@@ -156,16 +158,15 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
     llm = make_llm(args.model, dtype, quantization, backend=args.backend, device=args.device,
                    max_model_len=args.input_len + args.output_len + 16)
     engine = llm.llm_engine
-    worker = getattr(engine.executor, "worker", None)
+    worker = engine.executor.worker
     prompts = random_prompts(args.batch_size, args.input_len, engine.vocab_size, args.seed)
     time_batch(llm, [p[:16] for p in prompts], 4)  # warm up: allocator, first calls
     result = dict(dtype=str(engine.dtype).replace("torch.", ""), quantization=quantization,
                   paths={})
-    paths = ["fast", "plain"] if worker is not None and worker.cpu_fast_path is not None \
-        else ["plain"]
+    fast = worker.build_model_runner(enforce_eager=False)
+    paths = ["fast", "plain"] if fast.fast_paths else ["plain"]
     for path in paths:
-        if worker is not None:
-            worker.set_cpu_fast_path(path == "fast")
+        worker.build_model_runner(enforce_eager=path == "plain")
         runs = [time_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)]
         decode_ms = sorted(1000 * r.decode_s / max(len(r.decode_steps_s), 1) for r in runs)
         result["paths"][path] = dict(
@@ -173,8 +174,7 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
             decode_ms_per_step=decode_ms[len(decode_ms) // 2],
             latency_s=sorted(r.total_s for r in runs)[len(runs) // 2],
         )
-    if worker is not None:
-        worker.set_cpu_fast_path(True)
+    worker.build_model_runner(enforce_eager=False)
     if not args.no_profile:
         kernels = kernel_seconds_per_decode_step(llm, prompts, args.output_len)
         kernel_ms = 1000 * kernels["kernel_leaves"]
@@ -191,7 +191,7 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
 def format_table(results: list[dict], args) -> str:
     lines = [f"minivllm bench latency: {args.model}, batch {args.batch_size}, "
              f"{args.input_len} prompt + {args.output_len} output tokens, median of "
-             f"{args.num_iters}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus",
+             f"{args.num_iters}; {describe_machine()}",
              f"{'dtype':<10}{'quant':<7}{'path':<7}{'TTFT ms':>9}{'decode ms/tok':>15}"
              f"{'decode tok/s':>14}{'latency s':>11}{'kernels ms':>12}{'host ms':>9}"]
     for res in results:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(model=args.model, batch_size=args.batch_size,
                                    input_len=args.input_len, output_len=args.output_len,
-                                   load_average=os.getloadavg(), results=results), indent=2))
+                                   machine=machine(), results=results), indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -50,6 +50,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import MappingProxyType
+
+from minivllm.bench.harness import describe_machine, machine
 
 
 def require_llama_cpp():
@@ -128,7 +131,7 @@ def run_llamacpp(gguf: Path, prompts: list[list[int]], out_lens: list[int],
 #: The tools the comparison runs, and the one that makes the GGUF variants.
 TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize")
 #: GGUF variants made from the shipped Q4_1, and the minivllm setting each matches.
-VARIANTS = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4"}
+VARIANTS = MappingProxyType({"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4"})
 
 
 def build_steps(build_dir: str | Path, jobs: int = 2) -> list[list[str]]:
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- the comparison
 
 #: minivllm setting -> the llama.cpp format holding the same weights.
-MATCHING = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "gguf": "Q4_1"}
+MATCHING = MappingProxyType({"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "gguf": "Q4_1"})
 
 
 def _minivllm_rows(args, settings: list[tuple[str, str | None]], batch_sizes: list[int]):
@@ -329,8 +332,8 @@ def compare(args, model_dir: Path) -> int:
     b1, bmax = batch_sizes[0], batch_sizes[-1]
     lines = [f"minivllm vs llama.cpp's batched engine: {args.model}, {args.prompt_len} prompt "
              f"+ {args.gen_len} generated tokens per sequence, {args.threads} threads; load "
-             f"average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, on "
-             f"{os.cpu_count()} cpus",
+             f"average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
+             f"{describe_machine()}",
              f"{'engine':<22}{f'B={b1} total':>12}{f'B={b1} decode':>13}{f'B={bmax} total':>13}"
              f"{'prefill' + str(args.prefill_len):>13}{'tg128':>8}"]
 
@@ -365,6 +368,7 @@ def compare(args, model_dir: Path) -> int:
                                    llamacpp={k: {str(b): v for b, v in r.items()}
                                              for k, r in theirs.items()},
                                    load_average=[load_before, os.getloadavg()],
+                                   machine=machine(),
                                    gguf={k: str(v) for k, v in files.items()}), indent=2))
     print(f"wrote {out}")
     return 0

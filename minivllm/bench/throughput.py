@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.bench.harness import describe_machine
+
 
 def make_workload(num_requests: int, input_range: tuple[int, int],
                   output_range: tuple[int, int], vocab_size: int, seed: int = 0):
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     mv["num_params"] = count_parameters(model_dir)
     roofline = gemm / (2 * mv["num_params"])
     result = dict(
-        model=args.model, dtype=mv["dtype"], machine=f"{device.type} x{os.cpu_count()} cpus"
+        model=args.model, dtype=mv["dtype"], machine=describe_machine() if device.type == "cpu" else "cuda"
         if device.type == "cpu" else torch.cuda.get_device_name(device),
         backend=args.backend, backends=mv["backends"], num_requests=args.num_requests,
         prompt_tokens=n_in, output_tokens=mv["output_tokens"], num_params=mv["num_params"],
