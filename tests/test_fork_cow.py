@@ -22,15 +22,16 @@ After every rule, against its own bookkeeping (not the ref's):
 - the copies reported are exactly the copies-on-write it predicted: one per
   shared block in the written range, fresh destination, in order; and the
   requests to refresh are exactly those that copied;
-- the worker's table, updated with appends, new rows and refreshed rows,
-  equals the manager's lists; every live request's computed slots hold the
+- the worker's table (the ref's), updated with appends, new rows and
+  refreshed rows, equals the manager's lists; every live request's computed slots hold the
   content of its own prefix (so a missed, reversed or late copy, or a block
   freed while shared, shows);
 - the implementation and the ref make the same decisions (block lists,
   free queue order, hashes, copies).
 
-Example tests pin the rules one at a time. The NaN-poisoned run with real
-tensors is ``tests/test_fork_cow_cache.py``.
+The manager under test is the only part that is not the ref (it is course task
+20's). Example tests pin the rules one at a time. The NaN-poisoned run with
+real tensors, and every component under test, is ``tests/test_fork_cow_cache.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minivllm import SamplingParams, backend
 from minivllm.ref import kv_cache_manager as ref_kv_cache_manager
 from minivllm.ref.block_allocator import BlockAllocator as RefAllocator
+from minivllm.ref.block_table import BlockTables as RefBlockTables
 from minivllm.request import Request
 from minivllm.testing.strategies import stateful_settings
 
@@ -74,7 +76,8 @@ class ForkMachine(RuleBasedStateMachine):
         self.ref_alloc = RefAllocator(num_blocks, block_size, caching)
         self.impl = _manager(self.impl_alloc)
         self.ref = ref_kv_cache_manager.KVCacheManager(self.ref_alloc)
-        self.tables = backend.get("block_table").BlockTables(64, num_blocks, block_size)
+        # The worker's side is the ref's: this machine grades the manager alone (course task).
+        self.tables = RefBlockTables(64, num_blocks, block_size)
         self.running: dict[str, tuple[Request, Request]] = {}  # holding blocks: (impl, ref)
         self.waiting: dict[str, tuple[Request, Request]] = {}  # preempted
         self.cache: list[list] = [[None] * block_size for _ in range(num_blocks)]  # None = NaN

@@ -16,6 +16,7 @@ reversed or run after the writes, or a block freed while still shared, shows.
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -44,14 +45,22 @@ def _kv(tokens: list[int], pos: int, layer: int) -> torch.Tensor:
 
 
 class Group:
-    """Sequences sharing blocks through the components under test, one engine step at a time."""
+    """Sequences sharing blocks through the components under test, one engine step at a time.
 
-    def __init__(self, block_size: int, num_blocks: int, caching: bool) -> None:
-        alloc = backend.get("block_allocator").BlockAllocator(num_blocks, block_size, caching)
+    ``manager_only``: the KV cache manager under test, every other part the ref's.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, caching: bool,
+                 manager_only: bool = False) -> None:
+        def part(name: str):
+            return importlib.import_module(f"minivllm.ref.{name}") if manager_only else \
+                backend.get(name)
+
+        alloc = part("block_allocator").BlockAllocator(num_blocks, block_size, caching)
         self.alloc, self.bs = alloc, block_size
         self.kv = backend.get("kv_cache_manager").KVCacheManager(alloc)
-        self.tables = backend.get("block_table").BlockTables(32, num_blocks, block_size)
-        self.cache_write = backend.get("cache_write")
+        self.tables = part("block_table").BlockTables(32, num_blocks, block_size)
+        self.cache_write = part("cache_write")
         shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
         self.kv_caches = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
                           for _ in range(NUM_LAYERS)]
@@ -136,22 +145,11 @@ class Group:
                         f"{req_id} position {pos} (block {block}): another sequence's K/V")
 
 
-@settings(max_examples=examples(12), deadline=None)
-@given(
-    block_size=st.sampled_from([2, 3, 5]),
-    prompt_len=st.integers(1, 11),
-    width=st.integers(2, 4),
-    steps=st.integers(1, 7),
-    beam=st.booleans(),
-    caching=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_shared_blocks_never_hold_nan_or_a_siblings_kv(block_size, prompt_len, width, steps,
-                                                       beam, caching, seed):
+def _run_group(block_size, prompt_len, width, steps, beam, caching, seed, manager_only):
     rng = random.Random(seed)
     # Room for every sequence without sharing, plus copies in flight: never short.
     num_blocks = (width + 2) * cdiv(prompt_len + steps + 2, block_size) + width
-    group = Group(block_size, num_blocks, caching)
+    group = Group(block_size, num_blocks, caching, manager_only)
     parent = group.add("p", [rng.randrange(1, 999) for _ in range(prompt_len)])
     group.step(rng)  # the prompt, prefilled once; the parent samples its first token
     for i in range(1, width):  # parallel sampling: width - 1 children, each its own token
@@ -170,3 +168,29 @@ def test_shared_blocks_never_hold_nan_or_a_siblings_kv(block_size, prompt_len, w
     for r in list(group.live.values()):
         group.drop(r.request_id)
     assert group.alloc.num_free_blocks == num_blocks
+
+
+groups = dict(
+    block_size=st.sampled_from([2, 3, 5]),
+    prompt_len=st.integers(1, 11),
+    width=st.integers(2, 4),
+    steps=st.integers(1, 7),
+    beam=st.booleans(),
+    caching=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(**groups)
+def test_shared_blocks_never_hold_nan_or_a_siblings_kv(block_size, prompt_len, width, steps,
+                                                       beam, caching, seed):
+    _run_group(block_size, prompt_len, width, steps, beam, caching, seed, manager_only=False)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(**groups)
+def test_the_manager_alone_keeps_every_sequence_intact(block_size, prompt_len, width, steps,
+                                                       beam, caching, seed):
+    """The same, with every part but the KV cache manager the ref's (course task 20)."""
+    _run_group(block_size, prompt_len, width, steps, beam, caching, seed, manager_only=True)
