@@ -101,8 +101,8 @@ def copy_blocks(
 ) -> None:
     """Copy whole KV blocks in place: for each pair, every layer's K and V block ``src`` -> ``dst``.
 
-    The copies of copy-on-write (:meth:`KVCacheManager.take_blocks_to_copy
-    <minivllm.ref.kv_cache_manager.KVCacheManager.take_blocks_to_copy>`): a
+    The copies of copy-on-write (``KVCacheManager.take_blocks_to_copy()`` of
+    the KV cache manager): a
     request about to write into a block that another request shares gets a
     fresh block, which must first hold the shared block's K/V. The worker
     calls this before the step's forward writes the cache. The pairs are

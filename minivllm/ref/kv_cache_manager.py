@@ -24,7 +24,7 @@ which needs nothing from a request that never forks:
   block that another request holds. If a block the step writes is shared
   (reference count > 1), the request gets a fresh block in its place and the
   copy ``(src, dst)`` is recorded; the worker must copy those blocks (every
-  layer's K and V, :func:`minivllm.ref.cache_write.copy_blocks`) before the
+  layer's K and V, ``copy_blocks`` of the ``cache_write`` component) before the
   step's forward writes the cache. Only the partial last block is ever
   shared *and* written: full blocks hold final tokens and are never written
   again, which is also why prefix caching (sharing by hash) needs no copies.
@@ -223,7 +223,7 @@ class KVCacheManager:
         The scheduler calls it once per step, after its last
         :meth:`allocate_slots`, and sends the pairs to every worker, which
         copies each layer's K and V block ``src`` -> ``dst``
-        (:func:`~minivllm.ref.cache_write.copy_blocks`) *before* the step's
+        (``cache_write.copy_blocks``) *before* the step's
         forward writes the cache. Each ``dst`` is a fresh block, distinct, and
         never a ``src`` of the same step; a ``src`` may repeat (siblings copying
         one shared block). Blocks kept for the copies when their request was
