@@ -45,11 +45,13 @@ class KVCacheManager(_ref.KVCacheManager):
             num_final = min(num_total_tokens, request.num_tokens)  # what may be cached
             end = num_total_tokens + num_lookahead_tokens  # the last slot written, plus one
             # Fast path (most decodes): room left in the last block, no block fills up,
-            # and no block written is shared (only possible after a fork).
+            # and no block written is shared (only possible after a fork: the set look-up
+            # spares every other request the method call).
             if end <= len(blocks) * self.block_size and (
                 not self.enable_prefix_caching
                 or num_final // self.block_size <= self.num_cached_blocks[request.request_id]
-            ) and not self._shared_blocks_written(request, num_computed, end):
+            ) and (request.request_id not in self.forked_req_ids
+                   or not self._shared_blocks_written(request, num_computed, end)):
                 return []
         return super().allocate_slots(request, num_new_tokens, new_computed_blocks,
                                       num_lookahead_tokens=num_lookahead_tokens)
