@@ -251,9 +251,9 @@ print("saved 12_sharing_saving.png")
 #
 # .. code-block:: bash
 #
-#    pytest -q tests/test_fork_cow.py tests/test_fork_cow_cache.py \
+#    pytest -q tests/test_fork_cow.py tests/test_fork_cow_rules.py tests/test_fork_cow_cache.py \
 #        tests/test_copy_blocks.py tests/test_bench_sharing.py --backend=ref
-#    pytest -q tests/test_fork_cow.py tests/test_fork_cow_cache.py \
+#    pytest -q tests/test_fork_cow.py tests/test_fork_cow_rules.py tests/test_fork_cow_cache.py \
 #        tests/test_copy_blocks.py tests/test_bench_sharing.py --backend=fast
 
 # %% [markdown]
