@@ -4,7 +4,8 @@ Benchmarks: ``latency`` (batch-1 TTFT and decode ms per token, host overhead), `
 (the int8 / int4 decode GEMVs against the read bandwidth),
 ``throughput`` (end to end, offline; ``--compare hf|llamacpp``), ``serve`` (online, against
 the HTTP server), ``host`` (allocator, block tables,
-scheduler), ``kernels`` (Triton vs ref), ``prefill`` (long prompts on a CPU: the GEMM-shaped
+scheduler), ``sharing`` (blocks saved by fork and copy-on-write), ``kernels`` (Triton vs
+ref), ``prefill`` (long prompts on a CPU: the GEMM-shaped
 attention against the row loop, end to end), ``tp`` (tensor parallel), ``pp`` (pipeline
 parallel: throughput, the bubble, memory per rank), ``llamacpp``
 (build llama.cpp's own benchmark tools and the GGUF weights they compare on).

@@ -216,6 +216,12 @@ _TASKS = (
          ("tests/test_rejection_sampler.py",), 8,
          ("docs/speculative_decoding.md", "tutorials/11_speculative_decoding.py"),
          exclude=("tests/test_rejection_sampler.py::test_triton_kernel_equals_ref_exactly",)),
+    Task("fork_cow", "Fork and copy-on-write in the block table", "kv_cache_manager",
+         "kv_cache_manager", ("KVCacheManager.fork", "KVCacheManager._shared_blocks_written",
+                              "KVCacheManager._copy_on_write"),
+         ("tests/test_fork_cow.py", "tests/test_fork_cow_rules.py",
+          "tests/test_fork_cow_cache.py::test_the_manager_alone_keeps_every_sequence_intact"),
+         8, ("docs/sharing.md", "tutorials/12_sharing_blocks.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

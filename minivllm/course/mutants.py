@@ -177,6 +177,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("greedy_emits_rejected_draft", "rejection_sampler", "rejection_sampler",
            "tokens.append(target)", "tokens.append(draft)",
            "greedy verification emits the rejected draft instead of the target's argmax"),
+    Mutant("fork_forgets_ref_count", "fork_cow", "kv_cache_manager",
+           "self.block_allocator.touch(blocks)  # one more holder each: the child", "pass",
+           "fork gives the child the parent's blocks without taking a reference on them"),
+    Mutant("cow_keeps_shared_block", "fork_cow", "kv_cache_manager",
+           "            blocks[i] = new\n", "            pass\n",
+           "copy-on-write records the copy but the request keeps (and writes into) the shared block"),
+    Mutant("cow_copies_into_shared", "fork_cow", "kv_cache_manager",
+           "self.blocks_to_copy.append((old, new))", "self.blocks_to_copy.append((new, old))",
+           "copy-on-write copies the fresh block over the shared one (src and dst swapped)"),
 )
 
 

@@ -23,6 +23,15 @@ On a CPU the same scatter is the C++ op ``torch.ops.minivllm.reshape_and_cache``
 (``minivllm/fast/csrc/cache_write.cpp``): one ``memcpy`` per token and head,
 tokens spread over threads. :func:`reshape_and_cache` picks the realisation
 from the tensor's device.
+
+:func:`copy_blocks` (the copies of copy-on-write: whole blocks ``src -> dst``
+for every layer's K and V) is ONE op call for all layers and pairs, where the
+ref makes ``2 * num_layers * num_pairs`` torch calls: a Triton kernel on CUDA
+(grid ``(num_pairs, 2 * num_layers, chunks of a block)``; the layers' caches
+are separate tensors, so the kernel gets each one's element offset from layer
+0's K cache, as vLLM's CUDA kernel gets an array of pointers) and the C++ op
+``torch.ops.minivllm.copy_blocks`` on a CPU (one ``memcpy`` per block and
+tensor, ``minivllm/fast/csrc/copy_blocks.cpp``).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ try:
 except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
     from minivllm.fast._no_triton import tl, triton
 
-__all__ = ["reshape_and_cache"]
+__all__ = ["copy_blocks", "reshape_and_cache"]
 
 
 @triton.jit
@@ -145,3 +154,88 @@ def reshape_and_cache_cpu(
     key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     cpu_ops.ops().reshape_and_cache(key, value, k_cache, v_cache,
                                     slot_mapping.to(torch.int64).contiguous())  # fmt: skip
+
+
+# -- copy_blocks: the copies of copy-on-write ------------------------------------------------
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptr,  # layer 0's K cache: every other cache is addressed from it
+    cache_offsets_ptr,  # (2 * num_layers,) int64: element offset of each K, V cache from it
+    block_mapping_ptr,  # (num_pairs, 2) int64: (src, dst) block ids
+    stride_block,  # elements from one block to the next (the same in every cache)
+    BLOCK_NUMEL: tl.constexpr,  # block_size * H_kv * D: one block's contiguous elements
+    BLOCK: tl.constexpr,  # elements copied by one program (a power of 2)
+):
+    pair = tl.program_id(0)
+    cache = cache_ptr + tl.load(cache_offsets_ptr + tl.program_id(1))  # this K or V cache
+    src = tl.load(block_mapping_ptr + 2 * pair).to(tl.int64)
+    dst = tl.load(block_mapping_ptr + 2 * pair + 1).to(tl.int64)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < BLOCK_NUMEL
+    x = tl.load(cache + src * stride_block + offs, mask=mask)
+    tl.store(cache + dst * stride_block + offs, x, mask=mask)
+
+
+def _flat_caches(kv_caches, block_mapping) -> list[torch.Tensor]:
+    """Validate (the ref's checks, plus one layout for all); every layer's K then V."""
+    ref_cache_write._check_copy(kv_caches, block_mapping)
+    caches = [t for kv in kv_caches for t in kv]
+    first = caches[0]
+    bs, heads, dim = first.shape[1:]
+    for t in caches:
+        if t.stride() != first.stride() or t.stride()[1:] != (heads * dim, dim, 1):
+            raise ValueError("kv_caches must share strides, each block contiguous "
+                             "(strides (any, num_kv_heads * head_dim, head_dim, 1))")
+    return caches
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x (num_blocks, bs, H_kv, D)
+    block_mapping: torch.Tensor,  # (num_pairs, 2) int64: (src, dst) block ids
+) -> None:
+    """Copy every layer's K and V block ``src`` -> ``dst`` for each pair, in one op call.
+
+    The engine calls it only in a step that has copies (a request forked), so
+    a package whose ``cache_write`` lacks it still serves every ``n=1`` request.
+    """
+    if kv_caches and kv_caches[0][0].device.type == "cpu":
+        copy_blocks_cpu(kv_caches, block_mapping)
+    else:
+        copy_blocks_triton(kv_caches, block_mapping)
+
+
+def copy_blocks_triton(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x (num_blocks, bs, H_kv, D)
+    block_mapping: torch.Tensor,  # (num_pairs, 2) int64: (src, dst) block ids
+) -> None:
+    """:func:`copy_blocks` by one Triton launch (CUDA, or the interpreter on a CPU)."""
+    caches = _flat_caches(kv_caches, block_mapping)
+    num_pairs = block_mapping.shape[0]
+    if num_pairs == 0:
+        return
+    first = caches[0]
+    dev, elem = first.device, first.element_size()
+    byte_offsets = [t.data_ptr() - first.data_ptr() for t in caches]
+    if any(off % elem for off in byte_offsets):
+        raise ValueError("kv_caches must be aligned to their element size")
+    offsets = torch.tensor([off // elem for off in byte_offsets], dtype=torch.int64, device=dev)
+    mapping = block_mapping.to(device=dev, dtype=torch.int64).contiguous()
+    block_numel = first[0].numel()
+    block = min(triton.next_power_of_2(block_numel), 4096)
+    grid = (num_pairs, len(caches), triton.cdiv(block_numel, block))
+    _copy_blocks_kernel[grid](first, offsets, mapping, first.stride(0),
+                              BLOCK_NUMEL=block_numel, BLOCK=block)
+
+
+def copy_blocks_cpu(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x (num_blocks, bs, H_kv, D)
+    block_mapping: torch.Tensor,  # (num_pairs, 2) int64: (src, dst) block ids
+) -> None:
+    """:func:`copy_blocks` by the C++ op ``torch.ops.minivllm.copy_blocks``."""
+    _flat_caches(kv_caches, block_mapping)
+    if block_mapping.shape[0] == 0:
+        return
+    cpu_ops.ops().copy_blocks([k for k, _ in kv_caches], [v for _, v in kv_caches],
+                              block_mapping.to(torch.int64).contiguous())

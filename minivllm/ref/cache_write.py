@@ -14,6 +14,11 @@ Memory traffic: the minimum is ``2 * T * H * D`` element reads of K/V and as
 many writes into the cache. This version first copies the valid rows out
 (``key[valid]``), then scatters them: about twice that. The Triton twin
 (:mod:`minivllm.fast.cache_write`) reads and writes each element once.
+
+The second op here, :func:`copy_blocks`, copies whole blocks (every layer's
+K and V) from one block id to another: the copies of copy-on-write, when
+requests that share blocks (parallel sampling, beam search) write into a
+shared one. vLLM keeps it beside ``reshape_and_cache`` too.
 """
 
 from __future__ import annotations
@@ -60,3 +65,61 @@ def reshape_and_cache(
     k_cache[block, offset] = key[valid].to(k_cache.dtype)  # (num_valid, H_kv, D) rows
     v_cache[block, offset] = value[valid].to(v_cache.dtype)
     # END SOLUTION
+
+
+def _check_copy(kv_caches, block_mapping) -> None:
+    """``ValueError`` unless ``kv_caches`` are like layers' caches and ``block_mapping`` is a
+    step's copies: ``(num_pairs, 2)`` integers, distinct destinations, none also a source."""
+    if not kv_caches:
+        raise ValueError("kv_caches must hold at least one layer's (k_cache, v_cache)")
+    k0 = kv_caches[0][0]
+    for layer, (k_cache, v_cache) in enumerate(kv_caches):
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dim() != 4 or t.shape != k0.shape or t.dtype != k0.dtype or t.device != k0.device:
+                raise ValueError(
+                    f"kv_caches[{layer}] {name} must be (num_blocks, block_size, num_kv_heads, "
+                    f"head_dim) like layer 0's {tuple(k0.shape)} {k0.dtype} on {k0.device}, got "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2 or block_mapping.is_floating_point():
+        raise ValueError(f"block_mapping must be (num_pairs, 2) integer (src, dst) pairs, got "
+                         f"{tuple(block_mapping.shape)} {block_mapping.dtype}")
+    pairs = block_mapping.tolist()
+    num_blocks = k0.shape[0]
+    for src, dst in pairs:
+        if not (0 <= src < num_blocks and 0 <= dst < num_blocks):
+            raise ValueError(f"block_mapping pair ({src}, {dst}): block ids must be in "
+                             f"[0, {num_blocks})")
+    dsts = [dst for _, dst in pairs]
+    if len(set(dsts)) != len(dsts) or set(dsts) & {src for src, _ in pairs}:
+        raise ValueError(f"block_mapping {pairs}: destinations must be distinct and none may "
+                         f"also be a source (the copies of one step are independent)")
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x (num_blocks, bs, H_kv, D)
+    block_mapping: torch.Tensor,  # (num_pairs, 2) int64: (src, dst) block ids
+) -> None:
+    """Copy whole KV blocks in place: for each pair, every layer's K and V block ``src`` -> ``dst``.
+
+    The copies of copy-on-write (``KVCacheManager.take_blocks_to_copy()`` of
+    the KV cache manager): a
+    request about to write into a block that another request shares gets a
+    fresh block, which must first hold the shared block's K/V. The worker
+    calls this before the step's forward writes the cache. The pairs are
+    independent (distinct destinations, none also a source), so their order
+    does not matter; a source may repeat.
+
+    The engine calls it only in a step that has copies (a request forked:
+    parallel sampling, beam search), so a package whose ``cache_write`` lacks
+    it still serves every ``n=1`` request.
+
+    Memory traffic: ``num_pairs * num_layers * 2`` blocks read and written,
+    ``block_size * num_kv_heads * head_dim`` elements each. This version copies
+    one block of one tensor per torch call (``2 * num_layers * num_pairs``
+    calls); the fast twin does all of them in one op.
+    """
+    _check_copy(kv_caches, block_mapping)
+    for src, dst in block_mapping.tolist():
+        for k_cache, v_cache in kv_caches:
+            k_cache[dst].copy_(k_cache[src])  # (block_size, H_kv, D)
+            v_cache[dst].copy_(v_cache[src])

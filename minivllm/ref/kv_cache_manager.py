@@ -14,6 +14,26 @@ the allocator thinks in blocks. This class translates, as vLLM v1's
   completely are entered in the prefix cache under their chained hash.
 - :meth:`free`: give all of a request's blocks back, last block first.
 
+Sharing by fork (parallel sampling, beam search; PagedAttention section 4.4),
+which needs nothing from a request that never forks:
+
+- :meth:`fork`: a child request takes the parent's blocks by reference (each
+  block's reference count + 1), so a prompt prefilled once serves ``n``
+  completions, and a surviving beam branches without copying its history.
+- **Copy-on-write** in :meth:`allocate_slots`: a step never writes into a
+  block that another request holds. If a block the step writes is shared
+  (reference count > 1), the request gets a fresh block in its place and the
+  copy ``(src, dst)`` is recorded; the worker must copy those blocks (every
+  layer's K and V, ``copy_blocks`` of the ``cache_write`` component) before the
+  step's forward writes the cache. Only the partial last block is ever
+  shared *and* written: full blocks hold final tokens and are never written
+  again, which is also why prefix caching (sharing by hash) needs no copies.
+- :meth:`take_blocks_to_copy` and :meth:`take_req_ids_to_refresh`: what the
+  scheduler drains once per step, after its allocations: the step's copies,
+  and the requests whose block list changed other than by appending (a block
+  replaced by its copy), whose row in the worker's block table must be
+  rebuilt from :meth:`get_block_ids`.
+
 Who records what:
 
 - this class keeps each request's block ids as a plain list (the host-side
@@ -54,6 +74,14 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[int]] = {}
         # request id -> how many of its leading blocks are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Sharing by fork: the requests that took part in a fork (only they can hold a
+        # shared block that a step writes), this step's copies (src, dst), the blocks
+        # those copies keep from the free queue until they are taken, and the requests
+        # whose block list changed other than by appending (a dict: an ordered set).
+        self.forked_req_ids: set[str] = set()
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.blocks_held_for_copies: list[int] = []
+        self.req_ids_to_refresh: dict[str, None] = {}
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Prefix-cache hit for a request being admitted: (block ids, computed tokens).
@@ -93,8 +121,15 @@ class KVCacheManager:
         token in it is in ``request.all_token_ids``, never while it holds a
         draft (which may be rejected) or a lookahead slot.
 
-        Returns the newly allocated block ids (possibly empty; the prefix
-        hits are not among them), or None, in which case nothing changed.
+        Copy-on-write: a block this step writes (a token or lookahead slot of
+        positions ``num_computed_tokens ..``) that another request also holds
+        (:meth:`_shared_blocks_written`, after a :meth:`fork`) needs a fresh
+        block of its own too, and :meth:`_copy_on_write` swaps it in. Nothing
+        is shared, and so nothing copied, unless some request was forked.
+
+        Returns the newly allocated block ids appended to the request's list
+        (possibly empty; neither the prefix hits nor copy-on-write blocks are
+        among them), or None, in which case nothing changed.
         """
         # BEGIN SOLUTION
         req_id = request.request_id
@@ -106,10 +141,14 @@ class KVCacheManager:
         num_new_blocks = max(0, num_blocks_needed - len(held) - len(new_computed_blocks))
         # A cache hit on a free block takes it out of the free pool too.
         num_evictable_hits = sum(1 for b in new_computed_blocks if allocator.ref_count(b) == 0)
-        if num_new_blocks + num_evictable_hits > allocator.num_free_blocks:
+        # Shared blocks this step would write need a block each for their copy.
+        shared = self._shared_blocks_written(request, num_computed,
+                                             num_total_tokens + num_lookahead_tokens)
+        if num_new_blocks + num_evictable_hits + len(shared) > allocator.num_free_blocks:
             return None
 
         allocator.touch(new_computed_blocks)
+        self._copy_on_write(request, shared)
         new_blocks = allocator.allocate(num_new_blocks)
         if req_id not in self.req_to_blocks:
             self.req_to_blocks[req_id] = []
@@ -124,7 +163,12 @@ class KVCacheManager:
 
         Used for a finished request and for a preempted one alike; the
         request keeps its ``block_hashes`` either way (see the module docstring).
+        A block shared with another request (a fork, a prefix-cache hit) stays
+        with it: only its reference count drops.
         """
+        self._hold_blocks_for_copies(request)
+        self.forked_req_ids.discard(request.request_id)
+        self.req_ids_to_refresh.pop(request.request_id, None)
         # BEGIN SOLUTION
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks is not None:
@@ -135,6 +179,129 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's blocks in logical order ([] if it holds none)."""
         return list(self.req_to_blocks.get(request_id, ()))
+
+    # -- sharing by fork: parallel sampling and beam search -------------------------
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` all of ``parent``'s blocks, shared: each block's reference count + 1.
+
+        Nothing is copied now: the first step that writes into a shared block
+        copies it (copy-on-write, :meth:`allocate_slots`). Sharing is by
+        reference, not by hash, so it works with prefix caching on or off.
+
+        The child holds no blocks yet, has the parent's ``num_computed_tokens``
+        and the parent's tokens up to there (what the shared blocks hold); its
+        later tokens may differ (its own sampled token). Call it between
+        steps, e.g. after the step that computed the parent's prompt (parallel
+        sampling) or its last token (a beam that branches), never between
+        ``schedule()`` and that step's forward. ``ValueError`` otherwise.
+        """
+        parent_id, child_id = parent.request_id, child.request_id
+        if parent_id not in self.req_to_blocks:
+            raise ValueError(f"parent {parent_id!r} holds no blocks to fork")
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"child {child_id!r} already holds blocks")
+        n = parent.num_computed_tokens
+        if child.num_computed_tokens != n or child.all_token_ids[:n] != parent.all_token_ids[:n]:
+            raise ValueError(
+                f"child {child_id!r} must have the parent's num_computed_tokens ({n}) and its "
+                f"tokens up to there, got num_computed_tokens={child.num_computed_tokens}")
+        self.forked_req_ids.update((parent_id, child_id))
+        # BEGIN SOLUTION
+        blocks = self.req_to_blocks[parent_id]
+        self.block_allocator.touch(blocks)  # one more holder each: the child
+        self.req_to_blocks[child_id] = list(blocks)  # its own list: it will diverge
+        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+        # The hashes of the full blocks both hold are the same: no need to hash them again.
+        hashes = child.block_hashes
+        hashes.extend(parent.block_hashes[len(hashes) : n // self.block_size])
+        # END SOLUTION
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """This step's copy-on-write copies, ``(src, dst)`` block pairs; then forget them.
+
+        The scheduler calls it once per step, after its last
+        :meth:`allocate_slots`, and sends the pairs to every worker, which
+        copies each layer's K and V block ``src`` -> ``dst``
+        (``cache_write.copy_blocks``) *before* the step's
+        forward writes the cache. Each ``dst`` is a fresh block, distinct, and
+        never a ``src`` of the same step; a ``src`` may repeat (siblings copying
+        one shared block). Blocks kept for the copies when their request was
+        freed in this step (:meth:`free`) go back to the pool now. Always empty
+        unless a request was forked.
+        """
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        held, self.blocks_held_for_copies = self.blocks_held_for_copies, []
+        self.block_allocator.free(reversed(held))
+        return copies
+
+    def take_req_ids_to_refresh(self) -> list[str]:
+        """Requests whose block list changed other than by appending, since the last call.
+
+        A copy-on-write replaces a block in the middle of a request's list, so
+        the blocks :meth:`allocate_slots` returns (appended at the end: what
+        ``SchedulerOutput.new_block_ids`` carries) do not describe it. For each
+        id here the scheduler sends the whole list (:meth:`get_block_ids`) and
+        the worker rebuilds the request's block-table row from it, as for a new
+        request. Then forgets them; always empty unless a request was forked.
+        """
+        req_ids = list(self.req_ids_to_refresh)
+        self.req_ids_to_refresh.clear()
+        return req_ids
+
+    def _shared_blocks_written(self, request: Request, start: int, end: int) -> list[int]:
+        """Indices (in ``request``'s block list) of the shared blocks that positions
+        ``start .. end - 1`` lie in: held blocks that another request holds too
+        (reference count > 1). A step that writes those positions copies them first.
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or request.request_id not in self.forked_req_ids:
+            return []  # without a fork only full (prefix-cache) blocks are shared: never written
+        # BEGIN SOLUTION
+        if start >= end:
+            return []
+        first, last = start // self.block_size, min(len(blocks), cdiv(end, self.block_size))
+        return [i for i in range(first, last) if self.block_allocator.ref_count(blocks[i]) > 1]
+        # END SOLUTION
+
+    def _copy_on_write(self, request: Request, indices: list[int]) -> None:
+        """Give ``request`` a fresh block in place of each shared block at ``indices``.
+
+        The caller has checked that the pool has a free block for each. The
+        shared block loses this request's reference (its other holders keep
+        it, unchanged); the fresh one must receive its K/V before the step
+        writes into it, so the pair ``(shared, fresh)`` joins
+        :attr:`blocks_to_copy`, and the request joins
+        :attr:`req_ids_to_refresh` (its list changed in the middle).
+        """
+        if not indices:
+            return
+        # BEGIN SOLUTION
+        blocks = self.req_to_blocks[request.request_id]
+        fresh = self.block_allocator.allocate(len(indices))
+        for i, new in zip(indices, fresh):
+            old = blocks[i]
+            blocks[i] = new
+            self.block_allocator.free([old])  # its other holders keep it
+            self.blocks_to_copy.append((old, new))
+        self.req_ids_to_refresh[request.request_id] = None
+        # END SOLUTION
+
+    def _hold_blocks_for_copies(self, request: Request) -> None:
+        """Before ``request`` frees its blocks: keep one reference on each of them that
+        a copy not yet taken reads or writes, until :meth:`take_blocks_to_copy`.
+
+        Without it a block freed here could be handed out again in the same step
+        (the pool is short: a sibling's copy was recorded, then this request was
+        preempted), as another copy's destination or a block someone writes,
+        before its copy has run.
+        """
+        if not self.blocks_to_copy:
+            return
+        in_copies = {b for pair in self.blocks_to_copy for b in pair}
+        held = [b for b in self.req_to_blocks.get(request.request_id, ()) if b in in_copies]
+        self.block_allocator.touch(held)
+        self.blocks_held_for_copies.extend(held)
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """``request.block_hashes``, extended to cover its first ``num_full_blocks`` blocks."""

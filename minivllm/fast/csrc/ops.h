@@ -113,6 +113,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query,
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping);
+void copy_blocks(at::TensorList k_caches, at::TensorList v_caches,
+                 const at::Tensor& block_mapping);
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
               double eps);
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,

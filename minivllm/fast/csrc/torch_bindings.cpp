@@ -17,6 +17,8 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
+  // Whole blocks src -> dst for every layer's K and V (copy-on-write), in one call.
+  m.def("copy_blocks(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
   m.def(
       "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float eps) "
@@ -51,6 +53,7 @@ TORCH_LIBRARY(minivllm, m) {
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("paged_attention", &minivllm::paged_attention);
   m.impl("reshape_and_cache", &minivllm::reshape_and_cache);
+  m.impl("copy_blocks", &minivllm::copy_blocks);
   m.impl("rms_norm", &minivllm::rms_norm);
   m.impl("fused_add_rms_norm", &minivllm::fused_add_rms_norm);
   m.impl("silu_and_mul", &minivllm::silu_and_mul);
