@@ -78,6 +78,7 @@ COMPONENTS: dict[str, str] = {
     "layernorm": "kernel",
     "rotary": "kernel",
     "activation": "kernel",
+    "structured_output": "host",
     "sampler": "host",
     "rejection_sampler": "host",
     "ngram_proposer": "host",
