@@ -135,7 +135,7 @@ def test_choice_masks_equal(backends, choices, seed):
 def json_object_walk(mine, other, seed: int, max_steps: int) -> bytes:
     """``json_object``: the ref allows a subset of the fast twin's tokens, exactly those that
     keep the nesting within the ref's bound; walk on the ref's tokens."""
-    ref_be, fast_be = (mine, other) if isinstance(mine, ref_so.StructuredOutputBackend) \
+    fast_be, ref_be = (mine, other) if isinstance(mine, fast_so.StructuredOutputBackend) \
         else (other, mine)
     params = StructuredOutputsParams(json_object=True)
     ref_g, fast_g = ref_be.compile(params), fast_be.compile(params)

@@ -216,6 +216,11 @@ _TASKS = (
          ("tests/test_rejection_sampler.py",), 8,
          ("docs/speculative_decoding.md", "tutorials/11_speculative_decoding.py"),
          exclude=("tests/test_rejection_sampler.py::test_triton_kernel_equals_ref_exactly",)),
+    Task("token_mask", "Structured outputs: the DFA walk that builds a token mask",
+         "structured_output", "structured_output", ("token_mask",),
+         ("tests/course/test_task_token_mask.py", "tests/test_structured_output.py",
+          "tests/test_structured_output_api.py"),
+         6, ("docs/structured_outputs.md", "tutorials/13_constrained_decoding.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

@@ -177,6 +177,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("greedy_emits_rejected_draft", "rejection_sampler", "rejection_sampler",
            "tokens.append(target)", "tokens.append(draft)",
            "greedy verification emits the rejected draft instead of the target's argmax"),
+    Mutant("mask_checks_first_byte_only", "token_mask", "structured_output",
+           "        for byte in data:\n", "        for byte in data[:1]:\n",
+           "a token is allowed when its first byte is, whatever its other bytes do"),
+    Mutant("mask_needs_full_match", "token_mask", "structured_output",
+           "            allowed_ids.append(token_id)\n",
+           "            if dfa.accepting[s]:\n                allowed_ids.append(token_id)\n",
+           "a token must complete a match, not just extend a prefix of one"),
+    Mutant("mask_eos_always", "token_mask", "structured_output",
+           "    if dfa.accepting[state]:\n", "    if True:\n",
+           "EOS is allowed in every state, not only where the output may end"),
 )
 
 
