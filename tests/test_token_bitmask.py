@@ -21,7 +21,6 @@ from kernel_utils import DEVICE, examples
 from minivllm import backend
 from minivllm.fast import cpu_ops
 from minivllm.fast import structured_output as fast_so
-from minivllm.ref import structured_output as ref_so
 from minivllm.structured_output.bitmask import pack_bitmask, unpack_bitmask
 
 

@@ -22,6 +22,10 @@ walked through, one byte at a time.
 4. States from which no accepting state can be reached are **dead**: they
    become :data:`DEAD`, so a walk stops at the first byte that cannot lead to
    a match, and a token mask never allows a token that leads nowhere.
+5. **Minimisation** (Moore's partition refinement, :func:`_minimize`): states
+   that no continuation tells apart (both accept exactly the same suffixes)
+   are merged. Every DFA state costs a walk of the whole vocabulary, so fewer
+   states is fewer walks.
 
 The result, :class:`DFA`, is a table ``transitions[state][byte] -> state``
 with a flag per state saying whether the text so far is a full match.
@@ -223,7 +227,7 @@ def compile_dfa(node: Node, max_states: int = 50_000, deadline: float | None = N
             row[rep:end] = [ids[target]] * (end - rep)
         rows.append(row)
     accepting = [accept in s for s in sets]
-    return _prune(rows, accepting)
+    return _minimize(_prune(rows, accepting), reps)
 
 
 def _prune(rows: list[list[int]], accepting: list[bool]) -> DFA:
@@ -246,3 +250,29 @@ def _prune(rows: list[list[int]], accepting: list[bool]) -> DFA:
     new_id = {s: i for i, s in enumerate(order)}
     transitions = tuple(tuple(new_id.get(t, DEAD) for t in rows[s]) for s in order)
     return DFA(transitions, tuple(accepting[s] for s in order))
+
+
+def _minimize(dfa: DFA, reps: list[int]) -> DFA:
+    """Merge equivalent states (Moore): split blocks until no byte tells members apart.
+
+    Start from two blocks, accepting and not; a state's signature is its block
+    and the blocks its transitions lead to (one byte per byte class, ``reps``,
+    suffices); states with different signatures go to different blocks; repeat
+    until nothing splits. The start state's block becomes state 0.
+    """
+    block = [int(a) for a in dfa.accepting]
+    while True:
+        signatures = [(block[s], tuple(-1 if row[b] == DEAD else block[row[b]] for b in reps))
+                      for s, row in enumerate(dfa.transitions)]
+        ids: dict[tuple, int] = {}
+        new_block = [ids.setdefault(sig, len(ids)) for sig in signatures]  # state 0 -> block 0
+        if len(ids) == len(set(block)):
+            break
+        block = new_block
+    block = new_block
+    first = {}  # one member per block, to read its row
+    for s, b in enumerate(block):
+        first.setdefault(b, s)
+    transitions = tuple(tuple(DEAD if t == DEAD else block[t] for t in dfa.transitions[first[b]])
+                        for b in range(len(first)))
+    return DFA(transitions, tuple(dfa.accepting[first[b]] for b in range(len(first))))

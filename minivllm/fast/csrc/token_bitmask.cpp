@@ -3,8 +3,10 @@
 // bitmask (B, ceil(V / 32)) int32: token t of row r is allowed when bit t % 32 of
 // word t // 32 is set. Only the rows listed in `rows` are touched, so a batch
 // with a few constrained requests pays for those rows alone. A word of all ones
-// (32 allowed tokens, the common case inside a JSON string) is skipped whole;
-// the ref unpacks every bit into a (R, V) bool mask and rewrites the rows.
+// (32 allowed tokens, the common case inside a JSON string) is skipped whole, a
+// word of zeros (the common case elsewhere) is a plain fill, and a mixed word is a
+// branch-free select the compiler vectorises; the ref unpacks every bit into a
+// (R, V) bool mask and rewrites the rows.
 // Work items are (row, chunk of words), spread over threads.
 #include "ops.h"
 
@@ -41,9 +43,19 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
         for (int64_t k = k0; k < k1; ++k) {
           const uint32_t word = src[k];
           if (word == 0xFFFFFFFFu) continue;  // all 32 allowed: nothing to write
-          const int64_t t0 = 32 * k, n = std::min<int64_t>(32, vocab - t0);
-          for (int64_t j = 0; j < n; ++j) {
-            if (!((word >> j) & 1u)) dst[t0 + j] = neg_inf;
+          scalar_t* d = dst + 32 * k;
+          if (32 * k + 32 <= vocab) {
+            if (word == 0) {  // all 32 forbidden (most words, in a tight state): a plain fill
+              for (int j = 0; j < 32; ++j) d[j] = neg_inf;
+              continue;
+            }
+            // A select, not a branch per bit: with a constant trip count the compiler
+            // vectorises it (a variable shift per lane, then a blend).
+            for (int j = 0; j < 32; ++j) d[j] = ((word >> j) & 1u) ? d[j] : neg_inf;
+          } else {  // the last, partial word
+            for (int64_t j = 0; j < vocab - 32 * k; ++j) {
+              if (!((word >> j) & 1u)) d[j] = neg_inf;
+            }
           }
         }
       }
