@@ -121,7 +121,7 @@ def walk(params, impl_backend, oracle_backend, guide: DFA | None, seed: int,
                                                                  vocab.token_bytes, text)
         candidates = torch.nonzero(allowed).flatten().tolist()
         assert candidates, f"no token allowed after {text!r}"
-        token = _choose(candidates, vocab, guide, dist, state, rng, greed=step / max_steps)
+        token = choose(candidates, vocab, guide, dist, state, rng, greed=step / max_steps)
         assert impl.accept_tokens([token]) and oracle.accept_tokens([token])
         ids.append(token)
         data = vocab.token_bytes[token] or b""
@@ -131,7 +131,9 @@ def walk(params, impl_backend, oracle_backend, guide: DFA | None, seed: int,
     return text, impl.is_terminated(), ids
 
 
-def _choose(candidates, vocab, guide, dist, state, rng, greed: float) -> int:
+def choose(candidates, vocab, guide, dist, state, rng, greed: float) -> int:
+    """A random allowed token; with probability ``0.2 + greed``, EOS if allowed, else the
+    one of a random sample that leaves the guide DFA closest to an accepting state."""
     eos = [t for t in candidates if t in vocab.eos_token_ids]
     if eos and rng.random() < 0.2 + greed:
         return rng.choice(eos)

@@ -19,7 +19,9 @@ Run: ``pytest -q tests/test_structured_output.py --backend=ref`` (and ``=fast``)
 
 from __future__ import annotations
 
+import functools
 import json
+import random
 
 import jsonschema
 import pytest
@@ -27,6 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_utils import examples
 from structured_utils import (
+    choose,
+    distances,
     fullmatch,
     mask_of,
     max_depth,
@@ -132,6 +136,12 @@ def test_choice_masks_equal(backends, choices, seed):
     assert text.decode("utf-8", "surrogatepass") in choices
 
 
+@functools.cache
+def json_object_guide():
+    """The ref's depth-bounded json_object DFA (a second to build: once per session)."""
+    return compile_dfa(parse_regex(json_object_regex()))
+
+
 def json_object_walk(mine, other, seed: int, max_steps: int) -> bytes:
     """``json_object``: the ref allows a subset of the fast twin's tokens, exactly those that
     keep the nesting within the ref's bound; walk on the ref's tokens."""
@@ -140,11 +150,7 @@ def json_object_walk(mine, other, seed: int, max_steps: int) -> bytes:
     params = StructuredOutputsParams(json_object=True)
     ref_g, fast_g = ref_be.compile(params), fast_be.compile(params)
     v, tokens = ref_be.vocab.vocab_size, ref_be.vocab.token_bytes
-    guide = compile_dfa(parse_regex(json_object_regex()))
-    import random
-
-    from structured_utils import _choose, distances
-
+    guide = json_object_guide()
     rng, dist, state, text = random.Random(seed), distances(guide), 0, b""
     for step in range(max_steps):
         if ref_g.is_terminated():
@@ -154,7 +160,7 @@ def json_object_walk(mine, other, seed: int, max_steps: int) -> bytes:
         for t in (fast_mask & ~ref_mask).nonzero().flatten().tolist():
             assert tokens[t] is not None and max_depth(text + tokens[t]) > 3, (
                 f"after {text!r} only the fast twin allows {tokens[t]!r} (within the depth)")
-        token = _choose(ref_mask.nonzero().flatten().tolist(), ref_be.vocab, guide, dist,
+        token = choose(ref_mask.nonzero().flatten().tolist(), ref_be.vocab, guide, dist,
                         state, rng, step / max_steps)
         assert ref_g.accept_tokens([token]) and fast_g.accept_tokens([token])
         text += tokens[token] or b""

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from minivllm.sampling_params import StructuredOutputsParams
-from minivllm.structured_output.automata import DEAD, DFA, compile_dfa
+from minivllm.structured_output.automata import DEAD, DFA, CompileTimeout, compile_dfa
 from minivllm.structured_output.bitmask import bitmask_width, check_apply_args, pack_bitmask
 from minivllm.structured_output.constraint import (
     CompileCache,
@@ -273,9 +273,9 @@ class StructuredOutputBackend:
                        "choice": lambda: choice_regex(params.choice),
                        "json_object": json_object_regex}[kind]()
             dfa = compile_dfa(parse_regex(pattern), MAX_DFA_STATES, deadline)
+        except CompileTimeout:
+            raise ValueError(f"{kind}: compiling took longer than compile_timeout_s="
+                             f"{self.compile_timeout_s}") from None
         except ValueError as e:
-            if "took too long" in str(e):
-                e = ValueError(f"compiling took longer than compile_timeout_s="
-                               f"{self.compile_timeout_s}")
             raise ValueError(f"{kind}: {e}") from None
         return _CompiledConstraint(dfa, self.vocab)

@@ -40,6 +40,10 @@ from minivllm.structured_output.regex import Alt, CharSet, Concat, Node, Repeat
 
 #: The state a walk falls into when no continuation can match.
 DEAD = -1
+
+
+class CompileTimeout(ValueError):
+    """Building the DFA passed its deadline (a ``ValueError``: the request is refused)."""
 #: Code points up to these need 1, 2 and 3 UTF-8 bytes; the rest (to 0x10FFFF) 4.
 _UTF8_LIMITS = (0x7F, 0x7FF, 0xFFFF, 0x10FFFF)
 
@@ -211,7 +215,7 @@ def compile_dfa(node: Node, max_states: int = 50_000, deadline: float | None = N
     rows: list[list[int]] = []
     while len(rows) < len(sets):
         if deadline is not None and time.monotonic() > deadline:
-            raise ValueError(f"building the DFA took too long ({len(sets)} states so far)")
+            raise CompileTimeout(f"building the DFA took too long ({len(sets)} states so far)")
         current = sets[len(rows)]
         row = [DEAD] * 256
         for rep, end in zip(reps, bounds):
