@@ -15,6 +15,9 @@ constraints (a JSON schema, a regex, a choice, ``json_object``):
   request with the same constraint (the ref's per-state masks are cached).
 - **apply**: ``apply_token_bitmask_inplace`` on (B, 49152) float32 logits with
   every row constrained, at B = 1 and 64.
+- **engines** (``--engines``): why the fast twin uses xgrammar. The same cases
+  through xgrammar and llguidance directly (their own tokenizer set-up, compile,
+  and fill + accept per token; llguidance with the same separators).
 
 Ratios (ref / fast) come from the same run. Times are wall-clock medians or
 means of ``time.perf_counter`` on this machine; on a shared CPU read the ratios,
@@ -128,6 +131,61 @@ def bench_apply(impls: dict, vocab_size: int, batch_sizes=(1, 64), repeats: int 
     return rows
 
 
+def bench_engines(tokenizer, vocab_size: int) -> list[dict]:
+    """xgrammar and llguidance on the same cases and answers: set-up, compile, ms per token."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as llg_torch
+
+    from minivllm.fast import structured_output as fast_so
+    from minivllm.structured_output.constraint import choice_regex
+
+    start = time.perf_counter()
+    xgr_backend = fast_so.StructuredOutputBackend(tokenizer, vocab_size)
+    xgr_setup = time.perf_counter() - start
+    start = time.perf_counter()
+    llg_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    llg_setup = time.perf_counter() - start
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    matcher = llguidance.LLMatcher
+    rows = []
+    for name, params, answer in CASES:
+        tokens = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        start = time.perf_counter()
+        xgr_backend._compile(*_key(params))
+        xgr_compile = time.perf_counter() - start
+        xgr_times = _step_times(xgr_backend, params, tokens, fast_so.allocate_token_bitmask(
+            1, vocab_size))
+        start = time.perf_counter()
+        if params.kind in ("json", "json_object"):
+            schema = params.json_schema() if params.kind == "json" else {"type": "object"}
+            grammar = matcher.grammar_from_json_schema(schema, overrides=options)
+        else:
+            pattern = params.regex if params.kind == "regex" else choice_regex(params.choice)
+            grammar = matcher.grammar_from_regex(pattern)
+        m = matcher(llg_tokenizer, grammar)
+        llg_compile = time.perf_counter() - start
+        bitmask, llg_times = llg_torch.allocate_token_bitmask(1, vocab_size), []
+        for t in tokens:
+            start = time.perf_counter()
+            llg_torch.fill_next_token_bitmask(m, bitmask, 0)
+            if not m.consume_token(t):
+                raise RuntimeError(f"llguidance refused the answer's token {t}: {m.get_error()}")
+            llg_times.append(time.perf_counter() - start)
+        for engine, setup, comp, times in (("xgrammar", xgr_setup, xgr_compile, xgr_times),
+                                           ("llguidance", llg_setup, llg_compile, llg_times)):
+            rows.append(dict(engine=engine, case=name, setup_ms=1e3 * setup,
+                             compile_ms=1e3 * comp, mean_ms=1e3 * statistics.mean(times),
+                             p99_ms=1e3 * _p99(times)))
+    return rows
+
+
+def _key(params):
+    from minivllm.structured_output.constraint import constraint_key
+
+    return constraint_key(params)
+
+
 def bench_end_to_end(args: argparse.Namespace) -> list[dict]:
     """HOOK for the lead: the end-to-end part, once the engine serves structured outputs.
 
@@ -146,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--twins", nargs="+", default=["ref", "fast"], choices=["ref", "fast"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--engines", action="store_true",
+                   help="also time xgrammar against llguidance (needs llguidance)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if args.threads:
@@ -173,12 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     applied = bench_apply(impls, vocab_size, args.batch_sizes)
     for r in applied:
         print(f"apply {r['twin']:<5} B = {r['batch']:<3} {r['apply_ms']:8.3f} ms")
+    engines = bench_engines(tokenizer, vocab_size) if args.engines else []
+    for r in engines:
+        print(f"{r['engine']:<11}{r['case']:<13} set-up {r['setup_ms']:6.0f} ms  compile "
+              f"{r['compile_ms']:7.2f} ms  per token {r['mean_ms']:7.3f} ms mean, "
+              f"{r['p99_ms']:7.3f} ms p99")
     e2e = bench_end_to_end(args)
     if not e2e:
         print("end to end: not measured yet (the engine does not serve structured outputs yet)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(masks=masks, apply=applied, end_to_end=e2e),
+        Path(args.out).write_text(json.dumps(dict(masks=masks, apply=applied, engines=engines,
+                                                  end_to_end=e2e),
                                              indent=1))
     return 0
 
