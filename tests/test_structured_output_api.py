@@ -16,6 +16,7 @@ same prefix, Python's ``re``, xgrammar's decoder) and runs on both twins.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from structured_utils import mask_of, synthetic_tokenizer
@@ -145,7 +146,7 @@ def test_accept_is_all_or_nothing_and_validate_changes_nothing(so):
     assert g.validate_tokens([x]) == 0 and g.validate_tokens([]) == 0
     assert not g.accept_tokens([a, b, x])
     assert allowed(so, g) == before and g.num_accepted_tokens == 0
-    assert g.accept_tokens([a, b]) and g.num_accepted_tokens == 2
+    assert g.accept_tokens(np.array([a, b])) and g.num_accepted_tokens == 2  # numpy ints too
     with pytest.raises(ValueError, match="token_ids"):
         g.accept_tokens([so.vocab_size])
     with pytest.raises(ValueError, match="token_ids"):

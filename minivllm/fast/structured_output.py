@@ -198,13 +198,6 @@ class Grammar:
         """Tokens accepted so far (minus those rolled back)."""
         return self._state.num_accepted
 
-    def _check_ids(self, token_ids) -> list[int]:
-        ids = list(token_ids)
-        v = self._compiled.vocab.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v for t in ids):
-            raise ValueError(f"token_ids must be token ids in [0, {v}), got {ids!r}")
-        return ids
-
     def _accept(self, token_id: int) -> bool:
         vocab, matcher = self._compiled.vocab, self._state.matcher
         # Refuse here what xgrammar would refuse with a warning on stderr.
@@ -215,7 +208,7 @@ class Grammar:
 
     def accept_tokens(self, token_ids) -> bool:
         """Advance by ``token_ids``; False (state unchanged) if one of them is not allowed."""
-        ids = self._check_ids(token_ids)
+        ids = self._compiled.vocab.check_ids(token_ids)
         for n, t in enumerate(ids):
             if not self._accept(t):
                 if n:
@@ -228,7 +221,7 @@ class Grammar:
 
     def validate_tokens(self, token_ids) -> int:
         """How many of ``token_ids``, from the first, would be accepted (no state change)."""
-        ids = self._check_ids(token_ids)
+        ids = self._compiled.vocab.check_ids(token_ids)
         n = 0
         while n < len(ids) and self._accept(ids[n]):
             n += 1
@@ -238,7 +231,8 @@ class Grammar:
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative tokens rejected)."""
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.num_accepted_tokens:
+        if (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
+                or not 0 <= num_tokens <= self.num_accepted_tokens):
             raise ValueError(f"num_tokens must be in [0, {self.num_accepted_tokens}] (the tokens "
                              f"accepted so far), got {num_tokens!r}")
         if num_tokens:

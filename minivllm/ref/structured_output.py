@@ -163,17 +163,10 @@ class Grammar:
         """Tokens accepted so far (minus those rolled back)."""
         return len(self._states) - 1
 
-    def _check_ids(self, token_ids) -> list[int]:
-        ids = list(token_ids)
-        v = self._compiled.vocab.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v for t in ids):
-            raise ValueError(f"token_ids must be token ids in [0, {v}), got {ids!r}")
-        return ids
-
     def accept_tokens(self, token_ids) -> bool:
         """Advance by ``token_ids``; False (state unchanged) if one of them is not allowed."""
         states, s = [], self._states[-1]
-        for t in self._check_ids(token_ids):
+        for t in self._compiled.vocab.check_ids(token_ids):
             s = self._compiled.step(s, t)
             if s == DEAD:
                 return False
@@ -183,7 +176,7 @@ class Grammar:
 
     def validate_tokens(self, token_ids) -> int:
         """How many of ``token_ids``, from the first, would be accepted (no state change)."""
-        s, ids = self._states[-1], self._check_ids(token_ids)
+        s, ids = self._states[-1], self._compiled.vocab.check_ids(token_ids)
         for n, t in enumerate(ids):
             s = self._compiled.step(s, t)
             if s == DEAD:
@@ -192,7 +185,8 @@ class Grammar:
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative tokens rejected)."""
-        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.num_accepted_tokens:
+        if (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
+                or not 0 <= num_tokens <= self.num_accepted_tokens):
             raise ValueError(f"num_tokens must be in [0, {self.num_accepted_tokens}] (the tokens "
                              f"accepted so far), got {num_tokens!r}")
         del self._states[len(self._states) - num_tokens:]

@@ -25,6 +25,7 @@ the tokenizer does not define (padding up to ``vocab_size``) are ``None`` too.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,15 @@ class TokenVocabulary:
     @property
     def vocab_size(self) -> int:
         return len(self.token_bytes)
+
+    def check_ids(self, token_ids) -> list[int]:
+        """``token_ids`` as a list of ints; ``ValueError`` naming it if one is not an id."""
+        ids = list(token_ids)
+        v = self.vocab_size
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < v
+               for t in ids):
+            raise ValueError(f"token_ids must be token ids in [0, {v}), got {ids!r}")
+        return [int(t) for t in ids]
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int,
