@@ -266,3 +266,14 @@ def test_vocabulary_bytes_match_xgrammars_reading(smollm2_dir):
     # a token holding half of a character (byte-level BPE splits UTF-8)
     assert any(data is not None and data[-1] >= 0xC2 and len(data) == 1
                for data in vocab.token_bytes)
+
+
+def test_ref_refuses_a_dfa_beyond_its_state_cap(impl, monkeypatch):
+    """``(a|b)*a(a|b){4}`` needs 2^5 DFA states: over a cap of 8 the ref refuses it."""
+    if not hasattr(impl, "MAX_DFA_STATES"):
+        pytest.skip("the fast twin has no DFA (xgrammar compiles this in a few states)")
+    monkeypatch.setattr(impl, "MAX_DFA_STATES", 8)
+    tok = synthetic_tokenizer()
+    so = impl.StructuredOutputBackend(tok, len(tok))
+    with pytest.raises(ValueError, match="^regex: .*max_states=8"):
+        so.compile(StructuredOutputsParams(regex="(a|b)*a(a|b){4}"))
