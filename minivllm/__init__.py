@@ -8,11 +8,11 @@ The public API mirrors vLLM's::
 """
 
 from minivllm.backend import get_backend, set_backend, use_backend
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM", "Profiler", "RequestOutput", "CompletionOutput", "SamplingParams",
-    "RequestOutputKind",
+    "RequestOutputKind", "StructuredOutputsParams",
     "get_backend", "set_backend", "use_backend",
 ]
 __version__ = "0.1.0"

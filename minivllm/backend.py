@@ -80,6 +80,7 @@ COMPONENTS: Mapping[str, str] = MappingProxyType({
     "rotary": "kernel",
     "activation": "kernel",
     "model_runner": "host",
+    "structured_output": "host",
     "sampler": "host",
     "rejection_sampler": "host",
     "ngram_proposer": "host",

@@ -9,9 +9,11 @@ value and the range allowed.
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
 #: Temperatures in (0, 1e-2) make logits / T overflow; vLLM raises them to 1e-2.
@@ -32,6 +34,99 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's ``StructuredOutputsParams``).
+
+    Set exactly one of:
+
+    Args:
+        json: a JSON schema, as a dict or a JSON string: the output is a JSON
+            document valid under it, written as ``json.dumps`` writes it
+            (separators ``", "`` and ``": "``, no other white space).
+        regex: the output matches this regular expression in full.
+        choice: the output is exactly one of these strings.
+        grammar: the output is a sentence of this context-free grammar, in
+            xgrammar's EBNF (the GBNF dialect of llama.cpp: rules
+            ``name ::= ...``, strings ``"..."``, classes ``[a-z]``, ``* + ?``,
+            groups, alternatives ``|``; the start rule is ``root``).
+        json_object: ``True``: the output is some JSON object (no schema).
+
+    Types and obvious mistakes are caught here (``ValueError`` naming the
+    field); content errors (a schema or regex that does not compile) are
+    caught when the engine compiles the constraint, before the request is
+    queued (``StructuredOutputBackend.compile``). See ``docs/structured_outputs.md``.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.verify()
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"``
+        or ``"json_object"``."""
+        return self._set_fields()[0]
+
+    def _set_fields(self) -> list[str]:
+        return [name for name in _CONSTRAINT_FIELDS
+                if getattr(self, name) is not None and getattr(self, name) is not False]
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` naming the field if the constraint is malformed.
+
+        Run when the object is made and again by ``SamplingParams.verify``.
+        """
+        chosen = self._set_fields()
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs: set exactly one of "
+                             f"{', '.join(_CONSTRAINT_FIELDS)}, got "
+                             f"{', '.join(chosen) if chosen else 'none'}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be True, False or None, got {self.json_object!r}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"json must be a JSON schema (a dict or a JSON string); "
+                                     f"the string is not JSON: {e}") from None
+            elif isinstance(schema, dict):
+                try:
+                    _json.dumps(schema)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"json: the schema is not JSON-serialisable: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"json must be a JSON schema object (a dict or a JSON string "
+                                 f"holding an object), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+            bad = [c for c in self.choice if not isinstance(c, str)]
+            if bad:
+                raise ValueError(f"choice must be a non-empty list of strings, got {bad[0]!r} "
+                                 f"in {self.choice!r}")
+
+    def json_schema(self) -> dict[str, Any]:
+        """``json`` as a dict (parsed if it was given as a string)."""
+        return _json.loads(self.json) if isinstance(self.json, str) else self.json
+
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -66,6 +161,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         output_kind: a :class:`RequestOutputKind`: cumulative outputs (the
             default), deltas, or the final output only.
+        structured_outputs: constrain the output to a JSON schema, a regex,
+            a list of choices, a grammar or any JSON object
+            (:class:`StructuredOutputsParams`); ``None`` = unconstrained.
     """
 
     n: int = 1
@@ -86,6 +184,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +287,10 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = ", ".join(k.name for k in RequestOutputKind)
             raise bad("output_kind", f"a RequestOutputKind ({kinds})")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams or None")
+            self.structured_outputs.verify()
 
 
 #: ``torch.Generator.manual_seed`` accepts exactly these (a negative seed wraps to

@@ -222,6 +222,11 @@ _TASKS = (
          ("tests/test_fork_cow.py", "tests/test_fork_cow_rules.py",
           "tests/test_fork_cow_cache.py::test_the_manager_alone_keeps_every_sequence_intact"),
          8, ("docs/sharing.md", "tutorials/12_sharing_blocks.py")),
+    Task("token_mask", "Structured outputs: the DFA walk that builds a token mask",
+         "structured_output", "structured_output", ("token_mask",),
+         ("tests/course/test_task_token_mask.py", "tests/test_structured_output.py",
+          "tests/test_structured_output_api.py"),
+         6, ("docs/structured_outputs.md", "tutorials/13_constrained_decoding.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

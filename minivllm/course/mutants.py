@@ -186,6 +186,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("cow_copies_into_shared", "fork_cow", "kv_cache_manager",
            "self.blocks_to_copy.append((old, new))", "self.blocks_to_copy.append((new, old))",
            "copy-on-write copies the fresh block over the shared one (src and dst swapped)"),
+    Mutant("mask_checks_first_byte_only", "token_mask", "structured_output",
+           "        for byte in data:\n", "        for byte in data[:1]:\n",
+           "a token is allowed when its first byte is, whatever its other bytes do"),
+    Mutant("mask_needs_full_match", "token_mask", "structured_output",
+           "            allowed_ids.append(token_id)\n",
+           "            if dfa.accepting[s]:\n                allowed_ids.append(token_id)\n",
+           "a token must complete a match, not just extend a prefix of one"),
+    Mutant("mask_eos_always", "token_mask", "structured_output",
+           "    if dfa.accepting[state]:\n", "    if True:\n",
+           "EOS is allowed in every state, not only where the output may end"),
 )
 
 

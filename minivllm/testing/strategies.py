@@ -58,3 +58,91 @@ def gqa_heads(max_kv_heads: int = 4) -> st.SearchStrategy[tuple[int, int]]:
 
 def token_ids(vocab_size: int, min_size: int = 1, max_size: int = 64) -> st.SearchStrategy[list[int]]:
     return st.lists(st.integers(0, vocab_size - 1), min_size=min_size, max_size=max_size)
+
+
+# -- structured outputs: regexes and JSON schemas inside the ref's subsets -------------------
+
+#: Characters a generated regex or schema is built from: ASCII letters and punctuation (the
+#: regex metacharacters among them), a space, and 2-, 3- and 4-byte UTF-8 characters.
+SO_CHARS = "ab-z09 .,:;\"\\/{}[]()*+?|^$éß中😀"
+
+
+def _regex_escape_in_class(c: str) -> str:
+    return "\\" + c if c in "]\\-[" else c
+
+
+def regex_patterns(max_leaves: int = 8) -> st.SearchStrategy[str]:
+    """Regexes in the subset ``minivllm.structured_output.regex`` reads (never empty languages).
+
+    Leaves: a literal character (escaped when it is a metacharacter), a class
+    (``[...]``, ``[^...]``, ranges), ``.``, ``\\d \\w \\s``; inner nodes: concatenation,
+    alternation, groups, ``* + ? {m} {m,} {m,n}``.
+    """
+    from minivllm.structured_output.regex import escape
+
+    chars = st.sampled_from(SO_CHARS)
+    literal = chars.map(escape)
+    # No '^' in classes: first in a class, xgrammar misreads it (the ref refuses it there).
+    member = st.one_of(chars.filter(lambda c: c != "^").map(_regex_escape_in_class),
+                       st.sampled_from(["a-f", "0-9", "à-ÿ", "\\d", "\\s", "\\w"]))
+    klass = st.builds(lambda neg, items: "[" + ("^" if neg else "") + "".join(items) + "]",
+                      st.booleans(), st.lists(member, min_size=1, max_size=3))
+    leaf = st.one_of(literal, literal, klass, st.sampled_from([".", "\\d", "\\w", "\\s", "\\."]))
+
+    def extend(inner):
+        quant = st.sampled_from(["*", "+", "?", "{2}", "{1,3}", "{0,2}", "{2,}", "*?"])
+        return st.one_of(
+            st.lists(inner, min_size=2, max_size=3).map("".join),
+            st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + "|".join(xs) + ")"),
+            st.builds(lambda x, q: "(?:" + x + ")" + q, inner, quant),
+        )
+
+    return st.recursive(leaf, extend, max_leaves=max_leaves)
+
+
+def json_schemas(max_depth: int = 2) -> st.SearchStrategy[dict]:
+    """JSON schemas in the ref's subset (``minivllm.structured_output.json_schema``)."""
+    names = st.text(alphabet=SO_CHARS, min_size=1, max_size=4)
+    values = st.one_of(st.text(alphabet=SO_CHARS, max_size=4), st.integers(-20, 300),
+                       st.booleans(), st.none())
+    length = st.one_of(st.none(), st.integers(0, 3))
+
+    def string_schema(lo, hi):
+        s = {"type": "string"}
+        if lo is not None:
+            s["minLength"] = lo
+        if hi is not None:
+            s["maxLength"] = max(hi, lo or 0)
+        return s
+
+    leaf = st.one_of(
+        st.builds(string_schema, length, length),
+        st.sampled_from([{"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+                         {"type": "null"}, {"type": ["integer", "null"]}]),
+        st.lists(values, min_size=1, max_size=3).map(lambda vs: {"enum": vs}),
+        values.map(lambda v: {"const": v}),
+    )
+
+    def array(items, lo, hi):
+        s = {"type": "array", "items": items}
+        if lo is not None:
+            s["minItems"] = lo
+        if hi is not None:
+            s["maxItems"] = max(hi, lo or 0)
+        return s
+
+    def obj(props, required_flags):
+        required = [k for k, r in zip(props, required_flags) if r]
+        return {"type": "object", "properties": props, "required": required}
+
+    def extend(inner):
+        props = st.dictionaries(names, inner, min_size=0, max_size=3)
+        return st.one_of(
+            st.builds(array, inner, length, length),
+            props.flatmap(lambda p: st.builds(obj, st.just(p),
+                                              st.lists(st.booleans(), min_size=len(p),
+                                                       max_size=len(p)))),
+            st.lists(inner, min_size=2, max_size=2).map(lambda xs: {"anyOf": xs}),
+        )
+
+    return st.recursive(leaf, extend, max_leaves=max_depth * 3)

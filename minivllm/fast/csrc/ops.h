@@ -139,5 +139,6 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale);
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 
 }  // namespace minivllm

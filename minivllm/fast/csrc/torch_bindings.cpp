@@ -48,6 +48,8 @@ TORCH_LIBRARY(minivllm, m) {
       "Tensor cos_sin_cache, bool is_neox, Tensor[] norms, float[] eps, Tensor[] weights, "
       "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
       "int num_kv_heads, int head_dim, float scale) -> ()");
+  // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -64,4 +66,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("dequantize_int8", &minivllm::dequantize_int8);
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
   m.impl("decode_layers", &minivllm::decode_layers);
+  m.impl("apply_token_bitmask", &minivllm::apply_token_bitmask);
 }
