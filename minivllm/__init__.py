@@ -8,11 +8,17 @@ The public API mirrors vLLM's::
 """
 
 from minivllm.backend import get_backend, set_backend, use_backend
-from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from minivllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "LLM", "Profiler", "RequestOutput", "CompletionOutput", "SamplingParams",
-    "RequestOutputKind", "StructuredOutputsParams",
+    "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
+    "BeamSearchSequence",
     "get_backend", "set_backend", "use_backend",
 ]
 __version__ = "0.1.0"
@@ -29,7 +35,7 @@ def __getattr__(name: str):
         from minivllm.profiler import Profiler
 
         return Profiler
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "BeamSearchOutput", "BeamSearchSequence"):
         from minivllm import outputs
 
         return getattr(outputs, name)

@@ -218,7 +218,7 @@ def cmd_serve(args) -> int:
             max_request_body_bytes=args.max_request_body_bytes,
             max_prompt_chars=args.max_prompt_chars, max_stop_strings=args.max_stop_strings,
             max_stop_string_chars=args.max_stop_string_chars,
-            max_detokenize_tokens=args.max_detokenize_tokens)
+            max_detokenize_tokens=args.max_detokenize_tokens, max_n=args.max_n)
     except ValueError as e:
         raise SystemExit(f"minivllm serve: {e}") from None
     llm = AsyncLLM(_make_llm(args).llm_engine, max_waiting_requests=args.max_waiting_requests)
@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest stop string in characters (default %(default)s)")
     g.add_argument("--max-detokenize-tokens", type=int, default=caps.max_detokenize_tokens,
                    help="most token ids one /detokenize may send (default %(default)s)")
+    g.add_argument("--max-n", type=int, default=caps.max_n,
+                   help="most completions one request may ask for: n times its prompts, "
+                        "and the widest use_beam_search (default %(default)s)")
     g = p.add_argument_group("server logging")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],

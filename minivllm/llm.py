@@ -23,8 +23,13 @@ from tqdm.auto import tqdm
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import RequestFailedError, RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    RequestFailedError,
+    RequestOutput,
+)
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -212,7 +217,7 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         in_toks += len(out.prompt_token_ids)
-                        out_toks += len(out.outputs[0].token_ids)
+                        out_toks += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(
@@ -230,6 +235,41 @@ class LLM:
         if failed:
             raise RequestFailedError(failed, outputs) from failed[0][2]
         return outputs
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search each prompt; one :class:`~minivllm.outputs.BeamSearchOutput` per prompt.
+
+        The search runs inside the engine: beams of one prompt share their KV
+        blocks by fork, copy-on-write on the last one (docs/sharing.md). Each
+        output's ``sequences`` are the ``beam_width`` best finished sequences,
+        best first; a sequence's ``tokens`` are the prompt's and its own (vLLM's
+        form), its ``cum_logprob`` the summed log-probabilities of its tokens.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        encoded = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
+        ids = []
+        try:
+            for i, (_, token_ids) in enumerate(encoded):
+                try:
+                    ids.append(engine.add_beam_search(token_ids, params))
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        results = self._run_engine(ids, use_tqdm)
+        lp = params.length_penalty
+        return [BeamSearchOutput([
+            BeamSearchSequence(tokens=out.prompt_token_ids + list(c.token_ids),
+                               cum_logprob=c.cumulative_logprob,
+                               score=c.cumulative_logprob / max(len(c.token_ids), 1) ** lp,
+                               text=c.text, finish_reason=c.finish_reason)
+            for c in out.outputs]) for out in results]
 
     def chat(
         self,

@@ -211,6 +211,10 @@ class StepInput:
         positions: ``(num_tokens,)`` int64 CPU tensor.
         logits_indices: ``(num_sampled,)`` int64 CPU tensor, the rows whose
             next-token logits are needed.
+        blocks_to_copy: ``(src, dst)`` KV blocks every rank copies (every
+            layer's K and V) before the step's forward: the copy-on-write of a
+            block shared by forked requests (parallel sampling, beam search).
+            Empty unless a request forked.
     """
 
     req_ids: tuple[str, ...]
@@ -222,6 +226,7 @@ class StepInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -229,8 +234,9 @@ class StepInput:
         return self.input_ids.numel()
 
     @classmethod
-    def from_scheduler_output(cls, so: SchedulerOutput,
-                              failed: Sequence[str] = ()) -> StepInput:
+    def from_scheduler_output(cls, so: SchedulerOutput, failed: Sequence[str] = (),
+                              rows: Mapping[str, Sequence[int]] | None = None,
+                              blocks_to_copy: Sequence[tuple[int, int]] = ()) -> StepInput:
         """Flatten the scheduled chunks into one batch (leaving out the ``failed`` requests).
 
         For every scheduled request its tokens (``ScheduledRequest.token_ids``)
@@ -238,7 +244,14 @@ class StepInput:
         whose logits are sampled are recorded: a request that samples this
         step has ``1 + d`` of them, its last real token then each of its ``d``
         drafts (a draft's logits score the token after it).
+
+        ``rows``: scheduled requests whose block-table row is rebuilt whole
+        (request id -> all its block ids): a request forked since the last
+        step, or one whose shared block was replaced by its copy. Such a row
+        is dropped and made again, as for a new request. ``blocks_to_copy``:
+        the step's copy-on-write copies.
         """
+        rows = {} if rows is None else rows
         token_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -252,14 +265,18 @@ class StepInput:
                 logits_indices.extend(range(end - 1 - len(r.spec_token_ids), end))
         return cls(
             req_ids=tuple(r.request_id for r in reqs),
-            new_req_ids=frozenset(r.request_id for r in reqs if r.is_new),
-            new_block_ids=tuple(r.new_block_ids for r in reqs),
-            removed_req_ids=so.removed_req_ids,
+            new_req_ids=frozenset(r.request_id for r in reqs
+                                  if r.is_new or r.request_id in rows),
+            new_block_ids=tuple(tuple(rows[r.request_id]) if r.request_id in rows
+                                else r.new_block_ids for r in reqs),
+            removed_req_ids=(*so.removed_req_ids,
+                             *(r.request_id for r in reqs if r.request_id in rows)),
             query_lens=tuple(r.num_scheduled_tokens for r in reqs),
             seq_lens=tuple(r.num_computed_tokens + r.num_scheduled_tokens for r in reqs),
             input_ids=torch.tensor(token_ids, dtype=torch.int64),  # (T,)
             positions=torch.tensor(positions, dtype=torch.int64),  # (T,)
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # (num_sampled,)
+            blocks_to_copy=tuple((int(s), int(d)) for s, d in blocks_to_copy),
         )
 
 

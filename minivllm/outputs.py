@@ -47,7 +47,7 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (minivllm supports ``n=1``, so ``index`` is 0).
+    """One completion of a request: one of its ``n`` (``index`` says which).
 
     Attributes:
         index: which of the request's ``n`` completions this is.
@@ -122,6 +122,33 @@ class RequestOutput:
             f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
             f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}{err})"
         )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished sequence of a beam search (vLLM's ``BeamSearchSequence``).
+
+    Attributes:
+        tokens: the prompt and the generated tokens (an EOS that ended it included).
+        cum_logprob: the sum of the generated tokens' log-probabilities.
+        score: ``cum_logprob / generated_tokens ** length_penalty``, what the
+            sequences are sorted by (best first).
+        text: the generated text.
+        finish_reason: ``"stop"`` (EOS) or ``"length"`` (``max_tokens``).
+    """
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """What ``LLM.beam_search`` returns for one prompt: its best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class RequestFailedError(RuntimeError):

@@ -134,7 +134,10 @@ class SamplingParams:
     """Sampling and stopping parameters for one request.
 
     Args:
-        n: number of completions (only ``n=1`` is supported by this engine).
+        n: number of completions of the prompt, in ``[1, MAX_N]`` (parallel
+            sampling: the prompt is prefilled once and the ``n`` completions
+            share its KV blocks; with a ``seed``, completion ``i`` draws from
+            ``seed + i``).
         temperature: softmax temperature; ``0`` means greedy (argmax).
         top_p: keep the smallest set of tokens whose probability reaches
             ``top_p``; in ``(0, 1]``.
@@ -251,8 +254,8 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
-        if self.n != 1:
-            raise bad("n", "1 (parallel sampling is not supported)")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"in [1, {MAX_N}]")
         if not 0.0 <= self.temperature:
             raise bad("temperature", "non-negative (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
@@ -293,6 +296,10 @@ class SamplingParams:
             self.structured_outputs.verify()
 
 
+#: The most completions one request may ask for (``SamplingParams.n``), and the widest
+#: beam search (``BeamSearchParams.beam_width``).
+MAX_N = 256
+
 #: ``torch.Generator.manual_seed`` accepts exactly these (a negative seed wraps to
 #: its unsigned 64-bit value); outside, it raises "Overflow when unpacking long long".
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -310,3 +317,47 @@ def _is_int(v: object) -> bool:
 
 def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search over the model's log-probabilities (vLLM's ``BeamSearchParams``).
+
+    ``LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))``
+    keeps, at each step, the ``beam_width`` best continuations of the running
+    beams (the best of their top ``2 * beam_width`` candidates) and returns the
+    ``beam_width`` best finished sequences, best first, scored as transformers
+    does: the summed log-probability over ``generated_tokens ** length_penalty``.
+
+    Args:
+        beam_width: beams kept, in ``[1, MAX_N]``.
+        max_tokens: most tokens generated per beam, ``>= 1``.
+        ignore_eos: keep going after EOS (every beam then runs ``max_tokens``).
+        temperature: divides the logits before the log-softmax; 0 (the
+            default) means the raw logits.
+        length_penalty: the exponent of the length in the score; ``> 0``
+            favours longer sequences.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not (_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N):
+            raise bad("beam_width", f"an int in [1, {MAX_N}]")
+        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise bad("max_tokens", "an int >= 1")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "True or False")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise bad(name, "a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", "non-negative (0: the raw logits)")

@@ -167,7 +167,8 @@ def test_one_engine_serves_two_event_loops_one_after_the_other(tiny_model_dir, s
 
 
 def test_a_batch_is_one_command_scheduled_in_one_step(tiny_model_dir, spec) -> None:
-    # 16 prompts x n=8 through the server's code path: all 128 in the first step.
+    # 16 prompts x n=8 through the server's code path: all 16 prompts prefilled once, in
+    # the first step; their 8 completions each fork from it (parallel sampling).
     from minivllm.entrypoints.openai.protocol import CompletionRequest
     from minivllm.entrypoints.openai.serving import OpenAIServing
 
@@ -187,9 +188,10 @@ def test_a_batch_is_one_command_scheduled_in_one_step(tiny_model_dir, spec) -> N
 
     out = run(main())
     assert len(out["choices"]) == 128 and out["usage"]["completion_tokens"] == 256
-    assert len(steps[0].num_scheduled_tokens) == 128, steps[0]
+    assert len(steps[0].num_scheduled_tokens) == 16, steps[0]
     assert sum(steps[0].num_scheduled_tokens.values()) == \
-        8 * sum(len(engine.tokenizer.encode(p)) for p in prompts)
+        sum(len(engine.tokenizer.encode(p)) for p in prompts)
+    assert len(steps[1].num_scheduled_tokens) == 128, steps[1]  # every completion decodes
 
 
 def test_a_batch_with_one_bad_request_queues_none(tiny_model_dir, spec) -> None:

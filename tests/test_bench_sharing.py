@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from minivllm.bench import sharing
+from minivllm.bench import sharing, sharing_e2e
 from minivllm.config import cdiv
 
 
@@ -49,7 +49,7 @@ def test_beam_search_holds_exactly_its_beams_blocks(width, bs, seed):
 
 def test_cli_prints_and_writes_json(tmp_path, capsys):
     out = tmp_path / "sharing.json"
-    assert sharing.main(["--prompt-len", "9", "--output-len", "12", "--block-size", "4",
+    assert sharing.main(["--simulate", "--prompt-len", "9", "--output-len", "12", "--block-size", "4",
                          "--widths", "1", "3", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["kind"], r["width"]) for r in rows] == [
@@ -62,3 +62,19 @@ def test_bad_arguments():
         sharing.parallel_sampling(0, [3])
     with pytest.raises(ValueError, match="width"):
         sharing.beam_search(5, 0, 3)
+
+
+def test_engine_run_on_a_tiny_model(tiny_model_dir, capsys):
+    """The engine mode end to end (tiny sizes): every row, and the beams agree with the
+    one-token-requests search; sharing holds fewer blocks than independent requests."""
+    rows = sharing_e2e.run(str(tiny_model_dir("llama")), prompt_len=40, output_len=6,
+                           widths=[3], beam_widths=[2], backend="ref", dtype="float32",
+                           block_size=8)
+    out = capsys.readouterr().out
+    assert "best sequence equals" in out and "37.6-55.2%" in out
+    by_mode = {(r["kind"], r["mode"]): r for r in rows}
+    shared, alone = by_mode[("parallel", "shared")], by_mode[("parallel", "independent")]
+    assert shared["tokens"] == alone["tokens"] == 18
+    assert shared["peak_blocks"] == 5 + 3 * 1  # 5 prompt blocks shared, 1 own block each
+    assert alone["peak_blocks"] == 3 * 6
+    assert by_mode[("beam", "shared")]["tokens"] == 12

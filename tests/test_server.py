@@ -20,7 +20,7 @@ import openai
 import pytest
 from server_utils import ServerProcess, alive, cmdline, offline_backend, server_backend
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, BeamSearchParams, SamplingParams
 
 KEY = "test-key-123"
 MAX_MODEL_LEN = 256
@@ -125,6 +125,44 @@ def test_n2_with_seed_is_reproducible_distinct_and_matches_seed_plus_i(tiny) -> 
     assert a.usage.completion_tokens == 24
 
 
+def test_n_streams_every_choice_with_its_index_as_offline(tiny) -> None:
+    """Two prompts x n=3: one engine request per prompt, choice p * 3 + i being
+    completion i of prompt p, streamed interleaved, each ending once."""
+    server, llm = tiny
+    kw = dict(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    want = [c.text for p in PROMPTS[:2]
+            for c in llm.generate(p, SamplingParams(n=3, **kw), use_tqdm=False)[0].outputs]
+    chunks = list(client(server).completions.create(
+        model="tiny", prompt=PROMPTS[:2], n=3, seed=3, temperature=1.0, max_tokens=10,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts, ends = [""] * 6, [0] * 6
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            ends[choice.index] += choice.finish_reason is not None
+    assert texts == want
+    assert ends == [1] * 6
+    assert chunks[-1].usage.completion_tokens == 60
+    assert chunks[-1].usage.prompt_tokens == sum(len(llm.get_tokenizer().encode(p))
+                                                 for p in PROMPTS[:2])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_use_beam_search_returns_the_offline_beams(tiny, stream) -> None:
+    server, llm = tiny
+    prompt = llm.get_tokenizer().encode(PROMPTS[3])
+    want = llm.beam_search([{"prompt_token_ids": prompt}],
+                           BeamSearchParams(beam_width=3, max_tokens=7, ignore_eos=True))[0]
+    got = client(server).completions.create(
+        model="tiny", prompt=prompt, n=3, max_tokens=7, stream=stream,
+        extra_body={"use_beam_search": True, "ignore_eos": True})
+    texts = [""] * 3
+    for ch in (got if stream else [got]):
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    assert texts == [s.text for s in want.sequences]
+
+
 def test_stop_strings_cut_the_text_streamed_or_not(tiny) -> None:
     server, llm = tiny
     c = client(server)
@@ -169,6 +207,11 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(top_p=2.0), 400, "top_p"),
     (dict(temperature=-1), 400, "temperature"),
     (dict(n=0), 400, "n must be"),
+    (dict(n=129), 400, "--max-n"),
+    (dict(prompt=["a", "b"], n=65), 400, "--max-n"),
+    (dict(n=2, logprobs=1, extra_body={"use_beam_search": True}), 400, "logprobs"),
+    (dict(n=2, stop=["a"], extra_body={"use_beam_search": True}), 400, "stop"),
+    (dict(extra_body={"length_penalty": 2.0}), 400, "use_beam_search"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(max_tokens=MAX_MODEL_LEN), 400, "max_model_len"),
     (dict(prompt="x" * (MAX_MODEL_LEN + 5)), 400, "max_model_len"),

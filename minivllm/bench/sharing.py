@@ -186,18 +186,40 @@ def beam_search(prompt_len: int, width: int, output_len: int, block_size: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.bench sharing",
-                                     description=__doc__.split("\n\n")[0])
-    # Defaults: the means of the paper's Alpaca trace (19.31 prompt, 58.45 output tokens).
-    parser.add_argument("--prompt-len", type=int, default=19)
-    parser.add_argument("--output-len", type=int, default=58,
-                        help="beam search: steps; parallel sampling: mean output length "
-                             "(each completion's drawn from 0.5x to 1.5x it)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
+    parser = argparse.ArgumentParser(
+        prog="python -m minivllm.bench sharing",
+        description="Parallel sampling and beam search on a real model, shared by fork against "
+                    "independent requests (minivllm.bench.sharing_e2e); with --simulate, the "
+                    "component-level simulation of the paper's memory experiment (no model).")
+    parser.add_argument("--simulate", action="store_true",
+                        help="the simulation: blocks only, no model (fast)")
+    g = parser.add_argument_group("the engine run (default)")
+    g.add_argument("--model", default="smollm2")
+    g.add_argument("--backend", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--n", type=int, nargs="+", default=[2, 4, 8], dest="ns")
+    g.add_argument("--beam-widths", type=int, nargs="+", default=[2, 4, 8])
+    g = parser.add_argument_group("both (engine defaults: 512-token prompt, 64 generated)")
+    # Simulation defaults: the means of the paper's Alpaca trace (19.31 prompt, 58.45 output).
+    g.add_argument("--prompt-len", type=int, default=None, help="19 simulated, 512 engine")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="58 simulated, 64 engine; simulated beam search: steps, parallel "
+                        "sampling: mean output length (each drawn from 0.5x to 1.5x it)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6], help="simulated")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     args = parser.parse_args(argv)
+    if not args.simulate:
+        from minivllm.bench import sharing_e2e
+
+        rows = sharing_e2e.run(args.model, args.prompt_len or 512, args.output_len or 64,
+                               args.ns, args.beam_widths, args.backend, args.dtype,
+                               args.block_size, args.seed)
+        _write(args, rows)
+        return 0
+    args.prompt_len = args.prompt_len or 19
+    args.output_len = args.output_len or 58
     rng = random.Random(args.seed)
     rows = []
     for width in args.widths:
@@ -215,11 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['kind']:<9}{r['width']:>6}{r['peak_blocks_shared']:>13}"
               f"{r['peak_blocks_unshared']:>15}{100 * r['peak_saving']:>12.1f}%"
               f"{100 * r['saving']:>8.1f}%{r['copies']:>8}")
+    _write(args, rows)
+    return 0
+
+
+def _write(args, rows: list[dict]) -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)},
                                             rows=rows), indent=2))
-    return 0
 
 
 __all__ = ["SharingRun", "beam_search", "main", "parallel_sampling"]

@@ -71,8 +71,8 @@ from minivllm.engine.async_stream import (  # noqa: F401  (re-exported: the serv
 )
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.outputs import RequestOutput, StepStats
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.outputs import CompletionOutput, RequestOutput, StepStats
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -111,7 +111,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         # Engine-thread side: where each running request's outputs go.
-        self._routes: dict[str, RequestStream] = {}
+        self._routes: dict[str, list[RequestStream]] = {}  # one stream per completion
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
@@ -125,7 +125,7 @@ class AsyncLLM:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests added and not yet finished or aborted."""
+        """Completions added and not yet finished or aborted (a request of ``n``: ``n``)."""
         return len(self._streams)
 
     def encode(self, prompt: str) -> list[int]:
@@ -180,40 +180,50 @@ class AsyncLLM:
         """
         if self.error is not None:
             raise self.error
-        if self.num_in_flight + len(requests) > self.max_requests:
+        asked = sum(p.beam_width if isinstance(p, BeamSearchParams) else p.n
+                    for _, p, _ in requests)  # each completion counts
+        if self.num_in_flight + asked > self.max_requests:
             raise QueueFullError(
                 f"the server is full: {self.num_in_flight} requests in flight and "
-                f"{len(requests)} more asked for (at most {self.max_requests}); "
+                f"{asked} more asked for (at most {self.max_requests}); "
                 f"retry later or raise --max-waiting-requests"
             )
         loop = asyncio.get_running_loop()
-        batch, streams = [], []
+        batch, streams, ids = [], [], set()
         for prompt, params, request_id in requests:
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-            if request_id in self._streams or any(s.request_id == request_id for s in streams):
+            if request_id in self._engine_ids or request_id in ids:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            text, ids = (prompt, self.encode(prompt)) if isinstance(prompt, str) \
+            ids.add(request_id)
+            text, ids_ = (prompt, self.encode(prompt)) if isinstance(prompt, str) \
                 else (None, list(prompt))
-            if params.output_kind != RequestOutputKind.DELTA:  # a copy: the caller's stays
+            if isinstance(params, SamplingParams) and params.output_kind != \
+                    RequestOutputKind.DELTA:  # a copy: the caller's stays
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-            stream = RequestStream(request_id, loop)
-            batch.append((text, ids, params, stream))
-            streams.append(stream)
+            size = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+            group = [RequestStream(request_id, loop, i, size) for i in range(size)]
+            batch.append((text, ids_, params, group))
+            streams += group
         self._ensure_thread()
         for s in streams:
-            self._streams[s.request_id] = s
+            self._streams[s.key] = s
         try:
             await self._send("add", batch)
         except BaseException:
             # A refused request, or the caller was cancelled meanwhile: in that
             # case the engine may have queued them, so abort them to be sure.
-            self._abort_soon([s.request_id for s in streams])
+            self._abort_soon(list(ids))
             raise
         return streams
 
+    @property
+    def _engine_ids(self) -> set[str]:
+        return {s.request_id for s in self._streams.values()}
+
     async def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks; return once they are free."""
-        self._streams.pop(request_id, None)
+        """Stop a request (all its ``n`` completions) and free its KV blocks; return once
+        they are free."""
+        self._drop_streams([request_id])
         if self._thread is not None:
             await self._send("abort", [request_id])
 
@@ -245,10 +255,14 @@ class AsyncLLM:
         self._inbox.put((kind, arg, done))
         await done
 
+    def _drop_streams(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        for key in [k for k, s in self._streams.items() if s.request_id in ids]:
+            del self._streams[key]
+
     def _abort_soon(self, request_ids: list[str]) -> None:
         """Forget requests now; the engine thread frees their blocks before its next step."""
-        for rid in request_ids:
-            self._streams.pop(rid, None)
+        self._drop_streams(request_ids)
         if self._thread is not None:
             self._inbox.put(("abort", request_ids, None))
 
@@ -263,8 +277,8 @@ class AsyncLLM:
     def _deliver(self, stream: RequestStream, item: StreamDelta | BaseException) -> None:
         """(the stream's loop) Put ``item`` on the stream; forget a request that ended."""
         if isinstance(item, BaseException) or item.finished:
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
+            if self._streams.get(stream.key) is stream:
+                del self._streams[stream.key]
         stream.put(item)
 
     def _engine_loop(self) -> None:
@@ -288,8 +302,9 @@ class AsyncLLM:
             except Exception as e:
                 logger.exception("minivllm: the engine loop failed")
                 self.error = EngineDeadError(f"the engine failed: {e}")
-                for stream in self._routes.values():
-                    self._hand_over(stream, self.error)
+                for group in self._routes.values():
+                    for stream in group:
+                        self._hand_over(stream, self.error)
                 self._routes.clear()
                 continue
             refresh = self._dispatch(outputs, stats)
@@ -309,17 +324,21 @@ class AsyncLLM:
     def _add(self, batch) -> BaseException | None:
         """(engine thread) Add every request of ``batch``, or none of them."""
         added: list[str] = []
-        for index, (text, ids, params, stream) in enumerate(batch):
+        for index, (text, ids, params, group) in enumerate(batch):
+            request_id = group[0].request_id
             try:
-                self.engine.add_request(text, ids, params, stream.request_id)
+                if isinstance(params, BeamSearchParams):
+                    self.engine.add_beam_search(ids, params, request_id)
+                else:
+                    self.engine.add_request(text, ids, params, request_id)
             except Exception as e:  # a refused request: the caller's error
                 self.engine.abort_request(added)
                 if not isinstance(e, ValueError):
                     return e
                 return InvalidRequestError(str(e), index, len(batch))
-            added.append(stream.request_id)
-        for _, _, _, stream in batch:
-            self._routes[stream.request_id] = stream
+            added.append(request_id)
+        for _, _, _, group in batch:
+            self._routes[group[0].request_id] = group
         return None
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -336,16 +355,27 @@ class AsyncLLM:
         it = IterationStats(now=time.monotonic())
         orphans = []
         for out in outputs:
-            stream = self._routes.get(out.request_id)
-            if stream is None:
+            group = self._routes.get(out.request_id)
+            if group is None:
                 continue  # aborted while this step ran
-            self._record(stream, out, it)
             if out.finished:
                 del self._routes[out.request_id]
             if out.error is not None:  # this request alone failed; it is already freed
-                self._hand_over(stream, _request_error(out))
-            elif not self._hand_over(stream, stream.delta(out)) and not out.finished:
-                orphans.append(out.request_id)
+                for stream in group:
+                    self._hand_over(stream, _request_error(out))
+                continue
+            comps = list(out.outputs)
+            if out.finished:  # a completion it did not report (a beam search that
+                # found fewer sequences) ends empty, so no stream waits forever
+                shown = {c.index for c in comps}
+                comps += [CompletionOutput(i, "", [], None, None, "length")
+                          for i, stream in enumerate(group)
+                          if i not in shown and not stream.finished]
+            for comp in comps:
+                stream = group[comp.index]
+                self._record(stream, out, comp, it)
+                if not self._hand_over(stream, stream.delta(out, comp)) and not out.finished:
+                    orphans.append(out.request_id)
         if orphans:
             self._abort(orphans)
         for log in self.stat_loggers:
@@ -353,16 +383,18 @@ class AsyncLLM:
         return bool(orphans)
 
     @staticmethod
-    def _record(stream: RequestStream, out: RequestOutput, it: IterationStats) -> None:
+    def _record(stream: RequestStream, out: RequestOutput, comp: CompletionOutput,
+                it: IterationStats) -> None:
         if stream.last_token_time is None:
             it.time_to_first_tokens.append(it.now - stream.arrival)
-            it.num_prompt_tokens += len(out.prompt_token_ids)
+            if comp.index == 0:  # a group's prompt is computed once
+                it.num_prompt_tokens += len(out.prompt_token_ids)
         else:
             it.inter_token_latencies.append(it.now - stream.last_token_time)
         stream.last_token_time = it.now
         it.num_generation_tokens += 1  # a step samples one token per request it reports
-        if out.finished:
-            it.finished.append((out.outputs[0].finish_reason or "abort", it.now - stream.arrival))
+        if comp.finish_reason is not None or out.finished:
+            it.finished.append((comp.finish_reason or "abort", it.now - stream.arrival))
 
 
 def _request_error(out: RequestOutput) -> RequestError:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minivllm.outputs import Logprob, RequestOutput, StepStats
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, StepStats
 
 
 class EngineDeadError(RuntimeError):
@@ -102,24 +102,33 @@ class RequestStream:
     engine O(new tokens) per step however far behind it is.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, index: int = 0,
+                 group_size: int = 1) -> None:
+        self.request_id = request_id  # the engine's id: a group's, for each of its n
+        self.index = index  # which completion of the request this stream carries
+        self.key = request_id if group_size == 1 else f"{request_id}[{index}]"
         self.loop = loop
         self.arrival = time.monotonic()
         # Engine-thread side: what was handed over, and when.
         self.last_token_time: float | None = None
         self.num_tokens_sent = 0
+        self.finished = False  # its last delta was handed over
         # Event-loop side: the merged deltas not yet read, or the error to raise.
         self._pending: StreamDelta | BaseException | None = None
         self._pending_text: list[str] = []
         self._ready = asyncio.Event()
 
-    def delta(self, out: RequestOutput) -> StreamDelta:
-        """(engine thread) The engine's DELTA output ``out`` as a :class:`StreamDelta`."""
-        comp = out.outputs[0]
+    def delta(self, out: RequestOutput, comp: CompletionOutput) -> StreamDelta:
+        """(engine thread) Completion ``comp`` of the engine's DELTA output ``out``.
+
+        The stream ends with its completion's finish reason, or with ``out``
+        (a group's other completions may still run).
+        """
         self.num_tokens_sent += len(comp.token_ids)
+        finished = out.finished or comp.finish_reason is not None
+        self.finished = finished
         return StreamDelta(out.request_id, comp.text, list(comp.token_ids), comp.logprobs,
-                           out.finished, comp.finish_reason, comp.stop_reason,
+                           finished, comp.finish_reason, comp.stop_reason,
                            len(out.prompt_token_ids), self.num_tokens_sent)
 
     def put(self, item: StreamDelta | BaseException) -> None:

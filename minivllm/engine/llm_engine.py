@@ -46,11 +46,12 @@ from minivllm.engine.launcher import make_executor
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.ranks import simulates_all_ranks
 from minivllm.engine.sampling import StepSampler
+from minivllm.engine.sequence_groups import SequenceGroups
 from minivllm.metadata import SchedulerOutput, StepInput
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.profiler import op_range
 from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import BeamSearchParams, SamplingParams
 from minivllm.spec_decode.metadata import SpecStats
 from minivllm.spec_decode.proposer import Speculator, make_proposer, num_lookahead_tokens
 
@@ -111,6 +112,11 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.eos_token_id, self.sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Parallel sampling (n > 1) and beam search: requests that share blocks by fork.
+        self.groups = SequenceGroups(self.scheduler, self.sampler, self.output_processor,
+                                     self.input_processor)
+        self._rows_to_rebuild: set[str] = set()  # forked, not scheduled since
+        self._forks = hasattr(self.scheduler, "take_block_changes")  # a student's may not
         self.in_flight: deque[_InFlight] = deque()
         self._ids = itertools.count()
         self._step_index = itertools.count()
@@ -137,9 +143,9 @@ class LLMEngine:
         fit). So on any error the request is nowhere: not in the scheduler,
         the sampler or the output processor.
         """
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.output_processor.states:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        request_id = self._new_id(request_id)
+        if sampling_params.n > 1:
+            return self._add_parallel(prompt, prompt_token_ids, sampling_params, request_id)
         request, state, generator = self.input_processor.process(
             prompt, prompt_token_ids, sampling_params, request_id)
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
@@ -148,11 +154,78 @@ class LLMEngine:
         self.output_processor.states[request_id] = state
         return request_id
 
+    def _new_id(self, request_id: str | None) -> str:
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.states or self.groups.owns(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        return request_id
+
+    def _check_group(self, size: int, field_name: str) -> None:
+        """What every group needs: a scheduler that forks; a beam search, room to run whole
+        (the children of ``n`` need not run together: one without room waits its turn)."""
+        if not hasattr(self.scheduler, "fork_request"):
+            raise ValueError(f"{field_name} > 1 needs a scheduler with fork_request(); "
+                             f"{type(self.scheduler).__module__} has none")
+        if field_name == "beam_width" and size > self.config.max_num_seqs:
+            raise ValueError(f"{field_name}={size} must be <= max_num_seqs="
+                             f"{self.config.max_num_seqs}: a group runs as one unit")
+
+    def _add_parallel(self, prompt: str | None, prompt_token_ids: list[int],
+                      sampling_params: SamplingParams, request_id: str) -> str:
+        """Parallel sampling: ``n`` children, child 0 queued (see :mod:`.sequence_groups`)."""
+        self._check_group(sampling_params.n, "n")
+        first = self.groups.add_parallel(
+            prompt, prompt_token_ids, sampling_params, request_id, self.config.block_size,
+            self.cache_config.num_blocks, self.scheduler_config.max_model_len)
+        try:
+            self.scheduler.add_request(first)
+        except BaseException:
+            for cid in self.groups.member_ids(request_id):
+                self._forget(cid)
+            self.groups.forget(request_id)
+            raise
+        return request_id
+
+    def add_beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams,
+                        request_id: str | None = None) -> str:
+        """Queue one prompt's beam search; its one output comes when it is over.
+
+        The output (a :class:`~minivllm.outputs.RequestOutput`) has one
+        completion per finished sequence, best first, whose
+        ``cumulative_logprob`` is the length-penalised beam score.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        request_id = self._new_id(request_id)
+        self._check_group(params.beam_width, "beam_width")
+        if self.speculator is not None:
+            raise ValueError("beam search does not run with speculative_config: "
+                             "a beam ranks its candidates, it samples no drafts")
+        if self.executor.max_concurrent_batches > 1:
+            raise ValueError("beam search needs pipeline_parallel_size=1: a group's beams "
+                             "rank together, one step at a time")
+        first = self.groups.add_beam_search(
+            prompt_token_ids, params, request_id, self.eos_token_id, self.config.block_size,
+            self.cache_config.num_blocks)
+        try:
+            self.scheduler.add_request(first)
+        except BaseException:
+            self.groups.forget(request_id)
+            raise
+        return request_id
+
     def abort_request(self, request_ids: str | list[str]) -> None:
-        """Stop requests now and free their KV blocks."""
+        """Stop requests now and free their KV blocks (a group's: all its members')."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        members = []
         for rid in ids:
+            if self.groups.owns(rid):
+                members += self.groups.member_ids(rid)
+                self.groups.forget(rid)
+            else:
+                members.append(rid)
+        self.scheduler.finish_requests(members, RequestStatus.FINISHED_ABORTED)
+        for rid in members:
             self._forget(rid)
 
     def _forget(self, request_id: str) -> None:
@@ -198,10 +271,14 @@ class LLMEngine:
             # preemptions) that every worker's table must see before the next one.
             if not so.is_empty or so.removed_req_ids:
                 outputs += self._send(so)
+            elif self.groups and not self.in_flight and self.scheduler.waiting:
+                self.groups.break_stall()  # idle beams that wait for a member step aside
         if self.in_flight and (len(self.in_flight) >= self.executor.max_concurrent_batches
                                or so is None or so.is_empty):
             more, spec_stats = self._finish_oldest(step)
             outputs += more
+        if self.groups:  # the members' outputs become their groups' outputs
+            outputs = self.groups.merge_outputs(outputs)
         return outputs, self._stats(step, so, outputs, spec_stats)
 
     def _send(self, so: SchedulerOutput) -> list[RequestOutput]:
@@ -219,7 +296,8 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
                     failed.add(r.request_id)
                     outputs.append(self._fail(live, e))
-            step_input = StepInput.from_scheduler_output(so, failed)
+            rows, copies = self._block_changes(so)
+            step_input = StepInput.from_scheduler_output(so, failed, rows, copies)
         with op_range("forward"):
             pending = self.executor.execute_model(step_input)
         if step_input.num_tokens:  # else only block-table changes: nothing to sample
@@ -227,6 +305,19 @@ class LLMEngine:
                              if r.samples and r.request_id not in failed)
             self.in_flight.append(_InFlight(so, sampling, pending))
         return outputs
+
+    def _block_changes(self, so: SchedulerOutput):
+        """Forks since the last step: the copy-on-write copies, and the full block lists of
+        the scheduled requests whose block-table row must be rebuilt."""
+        if not self._forks:
+            return None, ()
+        copies, row_ids = self.scheduler.take_block_changes()
+        self._rows_to_rebuild.update(row_ids)
+        rows = {r.request_id: self.scheduler.get_block_ids(r.request_id)
+                for r in so.scheduled if r.request_id in self._rows_to_rebuild}
+        self._rows_to_rebuild.difference_update(rows)
+        self._rows_to_rebuild.intersection_update(self.scheduler.requests)
+        return rows, copies
 
     def _finish_oldest(self, step: int) -> tuple[list[RequestOutput], SpecStats]:
         """Wait for the oldest step's logits; sample, update the scheduler, build outputs.
@@ -247,6 +338,9 @@ class LLMEngine:
         self.in_flight.popleft()
         so, reqs = item.scheduler_output, list(item.sampling_reqs)
         drafts = [so.scheduled_spec_decode_tokens.get(r.request_id, ()) for r in reqs]
+        if self.groups:  # siblings sample from child 0's row; beams rank, not sample
+            reqs, logits, drafts = self.groups.with_siblings(reqs, logits, drafts)
+            reqs, logits, drafts = self.groups.take_beams(reqs, logits, drafts)
         with op_range("sample"):
             rows, failures, spec_stats = self.sampler.sample(logits, reqs, drafts)
         outputs = [self._fail(req, e) for req, e in failures]
@@ -258,14 +352,19 @@ class LLMEngine:
         num_before = {r.request_id: r.num_output_tokens for r, _, _ in rows}
         finished = self.scheduler.update_from_output(
             so, {r.request_id: tokens for r, tokens, _ in rows})
+        finished_ids = {r.request_id for r in finished}
+        if self.groups:  # siblings sampled their first token: now they fork child 0
+            finished_ids |= self.groups.fork_siblings(rows)
         # What the scheduler kept: a stop inside an accepted run drops the rest.
         rows = [(r, r.output_token_ids[num_before[r.request_id]:], lp) for r, _, lp in rows]
-        finished_ids = {r.request_id for r in finished}
         with op_range("detokenize"):
             outputs += self.output_processor.process(rows, finished_ids, self.scheduler)
         # Finished, stopped by a stop string, or failed while detokenizing: forgotten.
         for rid in finished_ids | {o.request_id for o in outputs if o.finished}:
             self._forget(rid)
+        if self.groups:  # a preempted beam takes its group along; full groups rank
+            self.groups.requeue_preempted(so.preempted_req_ids)
+            outputs += self.groups.step_beams(self.tokenizer)
         if self.speculator is not None:
             with op_range("propose"):
                 self.sampler.draft_probs = self.speculator.propose(self.scheduler.running,

@@ -13,9 +13,10 @@ each rank keeps its own table and applies them
 strings; they travel as their UTF-8 bytes, one byte per int64.
 
 Payload of ``CMD_EXECUTE``, end to end (``S`` scheduled requests, ``R``
-removed ones)::
+removed ones, ``C`` block copies)::
 
     input_ids (T) | positions (T) | logits_indices (L)
+    | C | copies (2C: src, dst, ...)
     | query_lens (S) | seq_lens (S) | is_new (S) | num_new_blocks (S)
     | new block ids (B, request by request)
     | id byte lengths (S + R) | id bytes (scheduled ids, then removed ids)
@@ -51,6 +52,7 @@ def pack_step_input(step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
     encoded = [i.encode() for i in ids]
     id_bytes = b"".join(encoded)
     host = [
+        len(step.blocks_to_copy), *(b for pair in step.blocks_to_copy for b in pair),
         *step.query_lens, *step.seq_lens,
         *(int(i in step.new_req_ids) for i in step.req_ids),
         *(len(b) for b in step.new_block_ids),
@@ -72,6 +74,9 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
     _, T, L, S, R, B, nbytes, _ = header.tolist()
     input_ids, positions, logits_indices, host = payload.split([T, T, L, payload.numel() - 2 * T - L])
     host = host.tolist()  # the payload is on the CPU: these host copies are free
+    num_copies = host[0]
+    copies = tuple(zip(host[1 : 1 + 2 * num_copies : 2], host[2 : 2 + 2 * num_copies : 2]))
+    host = host[1 + 2 * num_copies :]
     query_lens, seq_lens = host[:S], host[S : 2 * S]
     is_new, num_new_blocks = host[2 * S : 3 * S], host[3 * S : 4 * S]
     blocks = host[4 * S : 4 * S + B]
@@ -98,4 +103,5 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
         input_ids=input_ids.clone(),
         positions=positions.clone(),
         logits_indices=logits_indices.clone(),
+        blocks_to_copy=copies,
     )

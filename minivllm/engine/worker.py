@@ -144,8 +144,18 @@ class Worker:
                 tables.append_blocks(req_id, list(block_ids))
 
     def prepare_model_input(self, step_input: StepInput) -> ModelInput:
-        """Update the block table, then build this step's model input on this rank's device."""
+        """Apply the step's block changes, then build its model input on this rank's device.
+
+        The changes: the block table's rows (:meth:`update_block_tables`), and
+        the copy-on-write copies of blocks shared by forked requests, every
+        layer's K and V, before the forward writes into the copies
+        (``cache_write.copy_blocks``; only in steps that have any).
+        """
         self.update_block_tables(step_input)
+        if step_input.blocks_to_copy:
+            mapping = torch.tensor(step_input.blocks_to_copy, dtype=torch.int64,
+                                   device=self.device)  # (num_copies, 2): src, dst
+            self.components.cache_write.copy_blocks(self.kv_caches, mapping)
         return ModelInput.build(self.block_tables, step_input.req_ids, step_input.query_lens,
                                 step_input.seq_lens, step_input.input_ids,
                                 step_input.positions, step_input.logits_indices, self.device)

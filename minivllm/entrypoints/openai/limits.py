@@ -21,6 +21,9 @@ class ServingLimits:
         max_stop_string_chars: characters of one stop string (the detokenizer
             searches a window this wide every step).
         max_detokenize_tokens: token ids one ``/detokenize`` may send.
+        max_n: completions one request may ask for: ``n`` times its number of
+            prompts (each completion holds KV blocks of its own once it forks),
+            and the widest ``use_beam_search``.
     """
 
     max_request_body_bytes: int = 2 << 20
@@ -28,6 +31,7 @@ class ServingLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_detokenize_tokens: int = 1 << 16
+    max_n: int = 128
 
     def __post_init__(self) -> None:
         for f in fields(self):

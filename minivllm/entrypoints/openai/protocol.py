@@ -26,10 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.entrypoints.openai.limits import ServingLimits
-from minivllm.sampling_params import SamplingParams
-
-#: Most completions one request may ask for (``n`` x number of prompts).
-MAX_CHOICES = 128
+from minivllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class APIError(Exception):
@@ -132,41 +129,68 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    def sampling_params(self) -> list[SamplingParams]:
-        """One :class:`SamplingParams` per completion (``n`` of them)."""
-        self._check_n()
-        return [self.to_sampling_params(i) for i in range(self.n)]
+    # vLLM's beam-search extras (completions and chat): n is the beam width.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
-    def check_limits(self, limits: ServingLimits) -> None:
+    def engine_params(self) -> SamplingParams | BeamSearchParams:
+        """The one engine request behind each prompt: ``n`` completions sampled in
+        parallel (sharing the prompt's blocks), or a beam search of width ``n``."""
+        if self.use_beam_search:
+            return self.to_beam_search_params()
+        return self.to_sampling_params()
+
+    def check_limits(self, limits: ServingLimits, num_prompts: int = 1) -> None:
         """400 if the request is bigger than the server allows (before tokenizing)."""
-        self._check_n()
+        if not 1 <= self.n <= limits.max_n:
+            raise APIError(400, f"n must be in [1, {limits.max_n}] (the server's --max-n), "
+                                f"got {self.n}", "n")
+        if num_prompts * self.n > limits.max_n:
+            raise APIError(400, f"len(prompt) * n must be at most {limits.max_n} (the "
+                                f"server's --max-n), got {num_prompts * self.n}", "n")
         check_stop(limits, self.stop, self.stop_token_ids)
 
-    def _check_n(self) -> None:
-        if not 1 <= self.n <= MAX_CHOICES:
-            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
+    def _beam_search_params(self, max_tokens: int | None,
+                            logprobs: int | None) -> BeamSearchParams:
+        """``use_beam_search``: the fields that mean nothing to a beam search are refused."""
+        if max_tokens is None:
+            raise APIError(400, "use_beam_search needs max_tokens", "max_tokens")
+        if logprobs is not None:
+            raise APIError(400, "logprobs are not returned with use_beam_search", "logprobs")
+        for name in ("stop", "stop_token_ids", "seed"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} does not apply with use_beam_search", name)
+        try:
+            return BeamSearchParams(
+                beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                temperature=0.0 if self.temperature is None else self.temperature,
+                length_penalty=self.length_penalty)
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), "n" if name == "beam_width" else name) from None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         index: int) -> SamplingParams:
-        """The :class:`SamplingParams` of completion ``index`` (of ``n``).
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The :class:`SamplingParams` of the prompt's ``n`` completions.
 
-        With a seed, completion ``i`` gets ``seed + i``: reproducible, and the
-        ``n`` completions still differ from each other.
+        With a seed, completion ``i`` draws from ``seed + i`` (the engine's
+        rule, as vLLM's): reproducible, and the ``n`` completions still differ.
         """
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true",
                            "stream_options")
+        if self.length_penalty != 1.0:
+            raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
         try:
             return SamplingParams(
-                n=1,
+                n=self.n,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
                 min_p=self.min_p,
-                seed=None if self.seed is None else self.seed + index,
+                seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
@@ -204,7 +228,7 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "prompt must not be empty", "prompt")
         return list(p)
 
-    def to_sampling_params(self, index: int) -> SamplingParams:
+    def _check_unsupported(self) -> None:
         for name, default in (("echo", False), ("suffix", None), ("logit_bias", None)):
             if getattr(self, name) != default:
                 raise APIError(400, f"{name} is not supported by minivllm; leave it out", name)
@@ -213,7 +237,14 @@ class CompletionRequest(_SamplingFields):
                                 f"got {self.best_of}", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
-        return self._sampling_params(self.max_tokens, self.logprobs, index)
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def to_beam_search_params(self) -> BeamSearchParams:
+        self._check_unsupported()
+        return self._beam_search_params(self.max_tokens, self.logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -251,7 +282,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
 
-    def to_sampling_params(self, index: int) -> SamplingParams:
+    def _check_unsupported(self) -> None:
         if self.logit_bias is not None:
             raise APIError(400, "logit_bias is not supported by minivllm; leave it out",
                            "logit_bias")
@@ -260,10 +291,19 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
                            "top_logprobs")
+
+    def _max_tokens_logprobs(self) -> tuple[int | None, int | None]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, index)
+        return max_tokens, (self.top_logprobs or 0) if self.logprobs else None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        return self._sampling_params(*self._max_tokens_logprobs())
+
+    def to_beam_search_params(self) -> BeamSearchParams:
+        self._check_unsupported()
+        return self._beam_search_params(*self._max_tokens_logprobs())
 
 
 class TokenizeRequest(_Request):

@@ -1,10 +1,14 @@
 """``/v1/completions`` and ``/v1/chat/completions`` on top of :class:`AsyncLLM`.
 
-One HTTP request becomes ``len(prompts) * n`` engine requests (OpenAI's ``n``
-is fanned out: completion ``i`` gets ``seed + i`` when a seed is given). All
-are added before anything is streamed, so a bad prompt or a full queue is an
-error status, never a half-open stream. Their deltas are merged into one
-stream of ``(choice_index, StreamDelta)``.
+One HTTP request becomes one engine request per prompt, each with OpenAI's
+``n``: the engine prefills the prompt once and its ``n`` completions share
+its KV blocks (parallel sampling; completion ``i`` draws from ``seed + i``
+when a seed is given), or, with vLLM's ``use_beam_search`` extra, runs a beam
+search of width ``n`` whose ``n`` best sequences are the choices. All are
+added before anything is streamed, so a bad prompt or a full queue is an
+error status, never a half-open stream. Each completion has a stream of its
+own; their deltas are merged into one stream of ``(choice_index, StreamDelta)``,
+choice ``p * n + i`` being completion ``i`` of prompt ``p``.
 
 Streaming is Server-Sent Events, as OpenAI::
 
@@ -42,7 +46,6 @@ from minivllm.engine.async_llm import (
 )
 from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.entrypoints.openai.protocol import (
-    MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -139,11 +142,8 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
         self.check_model(req.model)
-        req.check_limits(self.limits)
         texts = req.prompts()
-        if len(texts) * req.n > MAX_CHOICES:
-            raise APIError(400, f"len(prompt) * n must be at most {MAX_CHOICES}, got "
-                                f"{len(texts) * req.n}", "n")
+        req.check_limits(self.limits, len(texts))
         # Token-id prompts are checked by the engine (length first, then the vocabulary).
         prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=self.model_name,
@@ -162,22 +162,23 @@ class OpenAIServing:
     # -- shared machinery --------------------------------------------------------------
 
     async def _create(self, req, prompts: list[list[int]], kind: Kind):
-        params = req.sampling_params()
-        batch = [(prompt, sp, f"{kind.id}-{p_idx}-{i}")
-                 for p_idx, prompt in enumerate(prompts) for i, sp in enumerate(params)]
+        params = req.engine_params()
+        batch = [(prompt, params, f"{kind.id}-{p_idx}") for p_idx, prompt in enumerate(prompts)]
         try:
-            # One command for the whole request: its prompts x n start in the same step.
-            streams = await self.llm.add_requests(batch)
+            # One command for the whole request: its prompts start in the same step.
+            streams = await self.llm.add_requests(batch)  # n per prompt, in choice order
         except InvalidRequestError as e:
-            where = f"prompt {e.index // len(params)}: " if len(prompts) > 1 else ""
-            raise APIError(400, where + e.reason, "prompt") from None
+            where = f"prompt {e.index}: " if len(prompts) > 1 else ""
+            # The group's own checks name n (as beam_width, for a beam search).
+            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else "prompt"
+            raise APIError(400, where + e.reason, field) from None
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
         except QueueFullError as e:
             raise APIError(503, str(e)) from None
         except EngineDeadError as e:
             raise APIError(500, str(e)) from None
-        num_prompt_tokens = sum(len(p) for p in prompts)
+        num_prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n
         if req.stream:
             return self._stream(streams, kind, num_prompt_tokens, req.include_usage())
         return await self._full(streams, kind, num_prompt_tokens)
