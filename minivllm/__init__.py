@@ -12,7 +12,7 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM", "Profiler", "RequestOutput", "CompletionOutput", "SamplingParams",
-    "RequestOutputKind",
+    "RequestOutputKind", "LoRARequest",
     "get_backend", "set_backend", "use_backend",
 ]
 __version__ = "0.1.0"
@@ -29,6 +29,10 @@ def __getattr__(name: str):
         from minivllm.profiler import Profiler
 
         return Profiler
+    if name == "LoRARequest":
+        from minivllm.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from minivllm import outputs
 

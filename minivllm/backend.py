@@ -78,6 +78,7 @@ COMPONENTS: dict[str, str] = {
     "layernorm": "kernel",
     "rotary": "kernel",
     "activation": "kernel",
+    "lora": "kernel",
     "sampler": "host",
     "rejection_sampler": "host",
     "ngram_proposer": "host",

@@ -46,6 +46,10 @@ TORCH_LIBRARY(minivllm, m) {
       "Tensor cos_sin_cache, bool is_neox, Tensor[] norms, float[] eps, Tensor[] weights, "
       "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
       "int num_kv_heads, int head_dim, float scale) -> ()");
+  // Each token's own LoRA adapter delta, tokens grouped by adapter slot (lora.cpp).
+  m.def(
+      "add_lora(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor[] scalings, "
+      "Tensor sorted_tokens, Tensor seg_starts, Tensor seg_slots, int[] output_slices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -61,4 +65,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("dequantize_int8", &minivllm::dequantize_int8);
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
   m.impl("decode_layers", &minivllm::decode_layers);
+  m.impl("add_lora", &minivllm::add_lora);
 }
