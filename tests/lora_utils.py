@@ -14,7 +14,7 @@ modules (a list, a regex string, only some of q/k/v, only the MLP), rsLoRA,
 :func:`lora_adapters` (import it into a test module) saves them once per session
 for a tiny model; an engine-level test gets the same directories::
 
-    from lora_utils import lora_adapters, peft_model  # noqa: F401  (the fixture)
+    from lora_utils import lora_adapters, peft_model  # the fixture, and the oracle
 
     def test_x(lora_adapters):
         base, adapters = lora_adapters("llama")   # model dir, {name: adapter dir}

@@ -12,15 +12,18 @@ import json
 import shutil
 from pathlib import Path
 
+import lora_utils
 import pytest
 import torch
 from conftest import make_tiny_config
-from lora_utils import lora_adapters, save_peft_adapter  # noqa: F401  (the fixture)
+from lora_utils import save_peft_adapter
 from safetensors.torch import load_file, save_file
 
 import minivllm
 from minivllm.lora.peft_format import load_adapter
 from minivllm.lora.request import LoRARequest
+
+lora_adapters = lora_utils.lora_adapters  # the session fixture (tests/lora_utils.py)
 
 
 def load(path, arch="llama", max_lora_rank=16, **config):

@@ -17,17 +17,20 @@ checks the manager against properties, not against a copy of its algorithm:
 
 from __future__ import annotations
 
+import lora_utils
 import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from lora_utils import ADAPTERS, lora_adapters, lora_request  # noqa: F401  (the fixture)
+from lora_utils import ADAPTERS, lora_request
 
 from minivllm.lora.manager import LoRABatch, LoRAConfig, LoRAManager
 from minivllm.lora.models import PACKED_MODULES_MAPPING
 from minivllm.lora.peft_format import load_adapter
 from minivllm.lora.request import LoRARequest
 from minivllm.testing.strategies import stateful_settings
+
+lora_adapters = lora_utils.lora_adapters  # the session fixture (tests/lora_utils.py)
 
 NAMES = list(ADAPTERS)
 

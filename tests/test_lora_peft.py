@@ -14,15 +14,18 @@ modules give with that token's adapter active (or with adapters disabled).
 
 from __future__ import annotations
 
+import lora_utils
 import pytest
 import torch
-from lora_utils import lora_adapters, lora_request, peft_model  # noqa: F401  (the fixture)
+from lora_utils import lora_request, peft_model
 
 from minivllm import backend
 from minivllm.lora.manager import LoRAConfig, LoRAManager
 from minivllm.lora.models import PACKED_MODULES_MAPPING, SUPPORTED_MODULES, module_shapes
 from minivllm.lora.peft_format import load_adapter
 from minivllm.model import load_model
+
+lora_adapters = lora_utils.lora_adapters  # the session fixture (tests/lora_utils.py)
 
 ATOL = RTOL = 2e-5  # float32 throughout; our GEMMs sum in another order than PEFT's
 

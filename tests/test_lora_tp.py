@@ -18,10 +18,11 @@ unsharded (``tp_size=1``) maths:
 
 from __future__ import annotations
 
+import lora_utils
 import pytest
 import torch
 from conftest import make_tiny_config
-from lora_utils import lora_adapters, lora_request  # noqa: F401  (the fixture)
+from lora_utils import lora_request
 
 from minivllm import backend
 from minivllm.lora.manager import LoRAConfig, LoRAManager
@@ -30,6 +31,8 @@ from minivllm.lora.models import module_shapes
 from minivllm.lora.peft_format import load_adapter
 from minivllm.lora.tp import shard_lora
 from minivllm.ref import linear as ref_linear
+
+lora_adapters = lora_utils.lora_adapters  # the session fixture (tests/lora_utils.py)
 
 NAMES = ["all_r16", None, "patterns_r8", "layer1_r3", "all_r16", "regex_r1"]
 #: (arch, tp_size): llama has 4 heads / 2 KV heads (tp=4 replicates each KV head on 2
