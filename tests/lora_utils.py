@@ -11,10 +11,12 @@ minivllm's reader cannot hide on both sides.
 :data:`ADAPTERS` is a spread of configurations: ranks 1 to 16, different target
 modules (a list, a regex string, only some of q/k/v, only the MLP), rsLoRA,
 ``rank_pattern`` / ``alpha_pattern`` and ``layers_to_transform``. The fixture
-:func:`lora_adapters` (import it into a test module) saves them once per session
+:func:`lora_adapters` (bind it in a test module) saves them once per session
 for a tiny model; an engine-level test gets the same directories::
 
-    from lora_utils import lora_adapters, peft_model  # the fixture, and the oracle
+    import lora_utils
+    from lora_utils import peft_model
+    lora_adapters = lora_utils.lora_adapters  # the fixture (an import would trip ruff F811)
 
     def test_x(lora_adapters):
         base, adapters = lora_adapters("llama")   # model dir, {name: adapter dir}
