@@ -113,6 +113,7 @@ _ALLOC = "tests/test_block_allocator.py"
 _SCHED = "tests/test_scheduler.py"
 _SMALL = "tests/test_small_kernels.py"
 _SAMPLER = "tests/test_sampler.py"
+_LORA = "tests/test_lora_kernels.py"
 
 _TASKS = (
     Task("allocator", "Block allocator: allocate, free, reference counts", "block_allocator",
@@ -216,6 +217,13 @@ _TASKS = (
          ("tests/test_rejection_sampler.py",), 8,
          ("docs/speculative_decoding.md", "tutorials/11_speculative_decoding.py"),
          exclude=("tests/test_rejection_sampler.py::test_triton_kernel_equals_ref_exactly",)),
+    Task("lora_delta", "LoRA: the delta for a batch of mixed adapters", "lora", "lora",
+         ("add_lora",),
+         ("tests/course/test_task_lora_delta.py", f"{_LORA}::test_add_lora_matches_oracle",
+          f"{_LORA}::test_long_segments_and_many_slots",
+          f"{_LORA}::test_no_adapter_anywhere_is_a_no_op",
+          f"{_LORA}::test_y_with_strided_rows_is_updated_in_place"),
+         6, ("docs/lora.md", "minivllm/lora/mapping.py", "tutorials/14_many_fine_tunes.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

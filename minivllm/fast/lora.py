@@ -70,6 +70,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` contiguous in ``dtype``: itself when it already is (the usual case, and a
+    per-call cost worth avoiding: a layer makes four calls per step)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor],
                  lora_b: Sequence[torch.Tensor], scalings: Sequence[torch.Tensor],
                  mapping: LoRAMapping, output_slices: Sequence[int]) -> None:
@@ -78,11 +84,11 @@ def add_lora_cpu(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor
     if not mapping.slots:
         return
     out = _rows(y)
+    x = _rows(x) if x.dtype == y.dtype else _rows(x).to(y.dtype)
     cpu_ops.ops().add_lora(
-        out, _rows(x).to(y.dtype), [a.to(y.dtype).contiguous() for a in lora_a],
-        [b.to(y.dtype).contiguous() for b in lora_b],
-        [s.float().contiguous() for s in scalings], mapping.sorted_tokens, mapping.seg_starts,
-        mapping.seg_slots, list(output_slices))
+        out, x, [_as(a, y.dtype) for a in lora_a], [_as(b, y.dtype) for b in lora_b],
+        [_as(s, torch.float32) for s in scalings], mapping.sorted_tokens, mapping.seg_starts,
+        mapping.seg_slots, output_slices)
     if out is not y:
         y.copy_(out)
 
@@ -188,12 +194,11 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Ten
     if not mapping.slots:
         return
     out = _rows(y)
-    x = _rows(x).to(y.dtype)
+    x = _rows(x) if x.dtype == y.dtype else _rows(x).to(y.dtype)
     num_segments, max_seg = len(mapping.slots), mapping.max_seg_len
     col0 = 0
     for a, b, scale, width in zip(lora_a, lora_b, scalings, output_slices):
-        a, b = a.to(y.dtype).contiguous(), b.to(y.dtype).contiguous()
-        scale = scale.float().contiguous()
+        a, b, scale = _as(a, y.dtype), _as(b, y.dtype), _as(scale, torch.float32)
         max_rank, k = a.shape[1], a.shape[2]
         r_pad = max(16, triton.next_power_of_2(max_rank))
         h = torch.empty(mapping.sorted_tokens.shape[0], r_pad, dtype=torch.float32,
