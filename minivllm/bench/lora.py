@@ -42,17 +42,18 @@ PROJECTIONS = {
 MAX_LORAS = 8
 
 
-def make_layer(rank: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
-    """One layer's stacks (every slot filled) and base weights, on ``device``."""
+def make_layer(rank: int, dtype: torch.dtype, device: str, seed: int = 0,
+               max_loras: int = MAX_LORAS) -> dict:
+    """One layer's stacks (``max_loras`` slots, every one filled) and base weights."""
     g = torch.Generator().manual_seed(seed)
     layer = {}
     for name, (k, slices) in PROJECTIONS.items():
         layer[name] = dict(
-            lora_a=[(torch.randn(MAX_LORAS, rank, k, generator=g) / k**0.5).to(dtype).to(device)
+            lora_a=[(torch.randn(max_loras, rank, k, generator=g) / k**0.5).to(dtype).to(device)
                     for _ in slices],
-            lora_b=[(torch.randn(MAX_LORAS, rank, n, generator=g) / rank**0.5).to(dtype)
+            lora_b=[(torch.randn(max_loras, rank, n, generator=g) / rank**0.5).to(dtype)
                     .to(device) for n in slices],
-            scalings=[torch.full((MAX_LORAS,), 2.0, device=device) for _ in slices],
+            scalings=[torch.full((max_loras,), 2.0, device=device) for _ in slices],
             output_slices=list(slices),
             weight=(torch.randn(sum(slices), k, generator=g) / k**0.5).to(dtype).to(device))
     return layer
@@ -103,7 +104,7 @@ def time_layer(layer: dict, num_tokens: int, num_adapters: int, dtype: torch.dty
 def run(rank: int = 16, dtype: torch.dtype = torch.float32, device: str = "cpu",
         token_counts=(1, 64), adapter_counts=(1, 4, 8)) -> list[dict]:
     """One row per (tokens, adapters) with ``adapters <= tokens``."""
-    layer = make_layer(rank, dtype, device)
+    layer = make_layer(rank, dtype, device, max_loras=max(adapter_counts))
     rows = []
     for t in token_counts:
         for n in adapter_counts:
