@@ -101,6 +101,7 @@ def lora_request(adapters: dict[str, Path], name: str) -> LoRARequest:
 def lora_adapters(tmp_path_factory: pytest.TempPathFactory):
     """Factory ``lora_adapters(arch) -> (base model dir, {name: adapter dir})`` for the
     tiny model ``arch`` of ``conftest.TINY_CONFIGS``, with every adapter of :data:`ADAPTERS`."""
+    pytest.importorskip("peft", reason="the LoRA oracle tests need the peft package")
     cache: dict[str, tuple[Path, dict[str, Path]]] = {}
 
     def make(arch: str = "llama") -> tuple[Path, dict[str, Path]]:
