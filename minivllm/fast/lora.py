@@ -22,8 +22,11 @@ the gathered matrix-vector product Punica calls BGMV; the same code serves it.
 Two realisations, picked by the tensor's device:
 
 - **CPU**: the C++ op ``torch.ops.minivllm.add_lora`` (``csrc/lora.cpp``): work
-  items of up to 8 tokens of one segment and one slice, spread over threads;
-  each row of A and B^T is used for all 8 tokens while it sits in L1.
+  items of up to 8 tokens of one segment and one slice, spread over threads.
+  The shrink runs register blocks of 2 tokens x 4 rows of A; the expand keeps
+  one accumulator vector per token while the rows of B^T stream past, so each
+  weight vector loaded serves several tokens (vector extensions compiled for
+  the native instruction set: AVX2 + FMA on the development machine).
 - **CUDA**: two Triton kernels per output slice. :func:`_lora_shrink_kernel`,
   grid ``(token blocks, segments)``, writes ``H`` (float32, rows in segment
   order); :func:`_lora_expand_kernel`, grid ``(token blocks, output blocks,
