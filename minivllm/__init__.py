@@ -18,7 +18,7 @@ from minivllm.sampling_params import (
 __all__ = [
     "LLM", "Profiler", "RequestOutput", "CompletionOutput", "SamplingParams",
     "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
-    "BeamSearchSequence",
+    "BeamSearchSequence", "LoRARequest",
     "get_backend", "set_backend", "use_backend",
 ]
 __version__ = "0.1.0"
@@ -35,6 +35,10 @@ def __getattr__(name: str):
         from minivllm.profiler import Profiler
 
         return Profiler
+    if name == "LoRARequest":
+        from minivllm.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput", "BeamSearchOutput", "BeamSearchSequence"):
         from minivllm import outputs
 

@@ -81,6 +81,7 @@ COMPONENTS: Mapping[str, str] = MappingProxyType({
     "activation": "kernel",
     "model_runner": "host",
     "structured_output": "host",
+    "lora": "kernel",
     "sampler": "host",
     "rejection_sampler": "host",
     "ngram_proposer": "host",

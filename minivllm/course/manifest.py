@@ -113,6 +113,7 @@ _ALLOC = "tests/test_block_allocator.py"
 _SCHED = "tests/test_scheduler.py"
 _SMALL = "tests/test_small_kernels.py"
 _SAMPLER = "tests/test_sampler.py"
+_LORA = "tests/test_lora_kernels.py"
 
 _TASKS = (
     Task("allocator", "Block allocator: allocate, free, reference counts", "block_allocator",
@@ -227,6 +228,13 @@ _TASKS = (
          ("tests/course/test_task_token_mask.py", "tests/test_structured_output.py",
           "tests/test_structured_output_api.py"),
          6, ("docs/structured_outputs.md", "tutorials/13_constrained_decoding.py")),
+    Task("lora_delta", "LoRA: the delta for a batch of mixed adapters", "lora", "lora",
+         ("add_lora",),
+         ("tests/course/test_task_lora_delta.py", f"{_LORA}::test_add_lora_matches_oracle",
+          f"{_LORA}::test_long_segments_and_many_slots",
+          f"{_LORA}::test_no_adapter_anywhere_is_a_no_op",
+          f"{_LORA}::test_y_with_strided_rows_is_updated_in_place"),
+         6, ("docs/lora.md", "minivllm/lora/mapping.py", "tutorials/14_many_fine_tunes.py")),
 )
 
 #: Every task, in the order a course takes them; ``task.number`` is 1-based.

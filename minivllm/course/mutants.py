@@ -196,6 +196,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("mask_eos_always", "token_mask", "structured_output",
            "    if dfa.accepting[state]:\n", "    if True:\n",
            "EOS is allowed in every state, not only where the output may end"),
+    Mutant("lora_no_adapter_uses_last_slot", "lora_delta", "lora",
+           "            if slot < 0:  # this token's request runs the base model alone\n"
+           "                continue\n", "",
+           "slot -1 is not skipped: a[-1] gives a base-model token the last slot's adapter"),
+    Mutant("lora_slices_overlap", "lora_delta", "lora",
+           "        offset += width\n", "",
+           "every output slice (q, k, v) is added into the first slice's columns"),
+    Mutant("lora_scaling_ignored", "lora_delta", "lora",
+           "y[t, offset : offset + width] += scale[slot] * delta",
+           "y[t, offset : offset + width] += delta",
+           "the adapter's scaling (alpha / r) is never applied"),
 )
 
 

@@ -16,6 +16,7 @@ from minivllm.fast import activation as _activation
 from minivllm.fast import attention as _attention
 from minivllm.fast import cache_write as _cache_write
 from minivllm.fast import layernorm as _layernorm
+from minivllm.fast import lora as _lora
 from minivllm.fast import rotary as _rotary
 from minivllm.fast.triton import component
 
@@ -34,6 +35,7 @@ rotary = component(f"{__name__}.rotary", "RoPE by the C++ op.",
                    apply_rotary_emb=_rotary.apply_rotary_emb_cpu)
 activation = component(f"{__name__}.activation", "SiLU-and-mul by the C++ op.",
                        silu_and_mul=_activation.silu_and_mul_cpu)
+lora = component(f"{__name__}.lora", "The LoRA delta by the C++ op.", add_lora=_lora.add_lora_cpu)
 #: The quantized matmuls: the fast twin's own module (its C++ ops run on CPU tensors),
 #: and the model runner: the fast twin (its C++ layer stack runs only where every kernel
 #: the model calls is the C++ op, else the model's own forward).

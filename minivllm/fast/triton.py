@@ -23,6 +23,7 @@ from minivllm.fast import activation as _activation
 from minivllm.fast import attention as _attention
 from minivllm.fast import cache_write as _cache_write
 from minivllm.fast import layernorm as _layernorm
+from minivllm.fast import lora as _lora
 from minivllm.fast import rotary as _rotary
 
 
@@ -49,6 +50,8 @@ rotary = component(f"{__name__}.rotary", "RoPE by the Triton kernel.",
                    apply_rotary_emb=_rotary.apply_rotary_emb_triton)
 activation = component(f"{__name__}.activation", "SiLU-and-mul by the Triton kernel.",
                        silu_and_mul=_activation.silu_and_mul_triton)
+lora = component(f"{__name__}.lora", "The LoRA delta by the Triton kernels.",
+                 add_lora=_lora.add_lora_triton)
 #: The model runner: the fast twin (a CUDA graph of the model's forward on a GPU; on a
 #: CPU its C++ layer stack needs the C++ ops, so the model's own forward runs). No Triton
 #: kernel for the quantized matmuls yet: the ref's (dequantize, then matmul).

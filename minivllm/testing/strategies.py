@@ -146,3 +146,37 @@ def json_schemas(max_depth: int = 2) -> st.SearchStrategy[dict]:
         )
 
     return st.recursive(leaf, extend, max_leaves=max_depth * 3)
+
+
+#: Feature widths for the LoRA tests: small (the interpreter runs them) and mostly not
+#: powers of 2.
+LORA_FEATURES = [1, 5, 16, 24, 40, 57, 96]
+#: Adapter ranks, 1 to 64 (the stack's ``max_rank``; each slot's own rank is at most it).
+LORA_RANKS = [1, 2, 3, 8, 13, 16, 32, 64]
+
+
+@st.composite
+def lora_batches(draw, max_tokens: int = 40, max_slots: int = 5) -> dict:
+    """One ``add_lora`` call's sizes: a mixed batch of tokens over adapter slots.
+
+    Keys: ``num_tokens``, ``in_features``, ``output_slices`` (1 to 3 slices, as
+    o_proj / gate_up / qkv), ``max_loras``, ``max_rank``, ``ranks`` (each slot's
+    rank, 0 = an empty slot, the rest zero-padded), ``zero_scale`` (``(slice, slot)``
+    pairs the adapter leaves alone), ``token_slots`` (-1 = no adapter, any order)
+    and ``seed`` (for the tensors).
+    """
+    max_loras = draw(st.integers(1, max_slots))
+    max_rank = draw(st.sampled_from(LORA_RANKS))
+    num_slices = draw(st.integers(1, 3))
+    return dict(
+        num_tokens=(t := draw(st.integers(1, max_tokens))),
+        in_features=draw(st.sampled_from(LORA_FEATURES)),
+        output_slices=draw(st.lists(st.sampled_from(LORA_FEATURES), min_size=num_slices,
+                                    max_size=num_slices)),
+        max_loras=max_loras, max_rank=max_rank,
+        ranks=draw(st.lists(st.integers(0, max_rank), min_size=max_loras, max_size=max_loras)),
+        zero_scale=draw(st.sets(st.tuples(st.integers(0, num_slices - 1),
+                                          st.integers(0, max_loras - 1)), max_size=2)),
+        token_slots=draw(st.lists(st.integers(-1, max_loras - 1), min_size=t, max_size=t)),
+        seed=draw(st.integers(0, 2**16)),
+    )

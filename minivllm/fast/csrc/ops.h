@@ -132,6 +132,10 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
 void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
 void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);
+void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora_a, at::TensorList lora_b,
+              at::TensorList scalings, const at::Tensor& sorted_tokens,
+              const at::Tensor& seg_starts, const at::Tensor& seg_slots,
+              at::IntArrayRef output_slices);
 void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,

@@ -50,6 +50,10 @@ TORCH_LIBRARY(minivllm, m) {
       "int num_kv_heads, int head_dim, float scale) -> ()");
   // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  // Each token's own LoRA adapter delta, tokens grouped by adapter slot (lora.cpp).
+  m.def(
+      "add_lora(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor[] scalings, "
+      "Tensor sorted_tokens, Tensor seg_starts, Tensor seg_slots, int[] output_slices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -67,4 +71,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
   m.impl("decode_layers", &minivllm::decode_layers);
   m.impl("apply_token_bitmask", &minivllm::apply_token_bitmask);
+  m.impl("add_lora", &minivllm::add_lora);
 }
