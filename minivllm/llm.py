@@ -146,8 +146,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; return one output per prompt, in order.
+
+        ``lora_request``: a :class:`~minivllm.lora.request.LoRARequest` for every
+        prompt, or a list with one per prompt (None: the base model); needs
+        ``LLM(..., enable_lora=True)`` (docs/lora.md).
 
         Every prompt is validated before any is queued, so a bad one raises
         ``ValueError`` and leaves the engine as it was.
@@ -186,12 +191,22 @@ class LLM:
         params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                   if sp.output_kind != RequestOutputKind.FINAL_ONLY else sp for sp in params]
         engine = self.llm_engine
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
+                                 f"({len(prompts)}), got {len(lora_request)}")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         encoded = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
         self._validate(encoded, params)
         ids = []
         try:
-            for (text, token_ids), sp in zip(encoded, params):
-                ids.append(engine.add_request(text, token_ids, sp))
+            for i, ((text, token_ids), sp, lora) in enumerate(zip(encoded, params, loras)):
+                try:
+                    ids.append(engine.add_request(text, token_ids, sp, lora_request=lora))
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
         except Exception:
             engine.abort_request(ids)
             raise
@@ -277,6 +292,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -287,7 +303,8 @@ class LLM:
                                            add_generation_prompt=add_generation_prompt)
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     # -- profiling --------------------------------------------------------------
 

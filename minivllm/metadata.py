@@ -211,6 +211,9 @@ class StepInput:
         positions: ``(num_tokens,)`` int64 CPU tensor.
         logits_indices: ``(num_sampled,)`` int64 CPU tensor, the rows whose
             next-token logits are needed.
+        lora_ids: per scheduled request, its LoRA adapter's ``lora_int_id`` (0:
+            the base model); empty when no request of the step has one. Every
+            rank knows each adapter by its id (``Executor.add_lora``).
         blocks_to_copy: ``(src, dst)`` KV blocks every rank copies (every
             layer's K and V) before the step's forward: the copy-on-write of a
             block shared by forked requests (parallel sampling, beam search).
@@ -227,6 +230,7 @@ class StepInput:
     positions: torch.Tensor
     logits_indices: torch.Tensor
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    lora_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -277,6 +281,7 @@ class StepInput:
             positions=torch.tensor(positions, dtype=torch.int64),  # (T,)
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # (num_sampled,)
             blocks_to_copy=tuple((int(s), int(d)) for s, d in blocks_to_copy),
+            lora_ids=_lora_ids(so.scheduled_requests, failed),
         )
 
 
@@ -388,12 +393,17 @@ class ModelInput:
         logits_indices: ``(num_sampled,)`` int64 rows of the hidden states
             whose next-token logits are needed (the last scheduled token of
             every request that samples this step).
+        lora: the step's LoRA adapters (a :class:`~minivllm.lora.manager.LoRABatch`:
+            each token's slot and the slots' weights), or None when no token of
+            the step has one. Only the model's own forward adds them (its
+            projections' hooks): a fast path runs a step only without.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
+    lora: Any = None
 
     @classmethod
     def build(cls, block_tables: Any, req_ids: Sequence[str], query_lens: Sequence[int],
@@ -418,3 +428,10 @@ class ModelInput:
         )
         return cls(input_ids=input_ids.to(device), positions=positions.to(device),
                    attn_metadata=attn_metadata, logits_indices=logits_indices.to(device))
+
+
+def _lora_ids(requests: Sequence[Any], failed: Sequence[str]) -> tuple[int, ...]:
+    """Each batch request's ``lora_int_id`` (0: none), or ``()`` when none has an adapter."""
+    ids = tuple(0 if r.lora_request is None else r.lora_request.lora_int_id
+                for r in requests if r.request_id not in failed)
+    return ids if any(ids) else ()

@@ -11,8 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from types import MappingProxyType
+from typing import Any
 
+from minivllm.prefix_hash import hash_block_tokens
 from minivllm.sampling_params import SamplingParams
+
+#: Tags the seed of a LoRA request's block hashes (so it is no block's hash of tokens).
+LORA_HASH_TAG = 2**64 - 1
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,6 +74,12 @@ class Request:
             when prefix caching is on. They live on the request, as in vLLM
             v1, so they survive a preemption: a resumed request is not
             re-hashed from its first token.
+        lora_request: its LoRA adapter (a ``LoRARequest``), or None: the base model.
+        root_block_hash: the parent hash of its first block (see
+            :mod:`minivllm.prefix_hash`): None (the shared seed) for the base
+            model, a seed of the adapter's own under a LoRA adapter, so that
+            KV computed under one adapter is never found for another (vLLM's
+            "extra keys").
     """
 
     def __init__(
@@ -78,8 +89,12 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
+        self.root_block_hash = None if lora_request is None else \
+            hash_block_tokens(None, [LORA_HASH_TAG, lora_request.lora_int_id])
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -56,7 +56,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "slots.append(table[pos // bs] * bs + pos // bs)",
            "slot = block * block_size + pos // block_size (offset inside the block wrong)"),
     Mutant("hash_ignores_parent", "kv_cache_manager", "kv_cache_manager",
-           "parent = hashes[i - 1] if i > 0 else None", "parent = None",
+           "parent = hashes[i - 1] if i > 0 else request.root_block_hash", "parent = None",
            "a generated block is hashed without its parent"),
     Mutant("full_hit_computes_nothing", "kv_cache_manager", "kv_cache_manager",
            "max_hit_blocks = (request.num_tokens - 1) // self.block_size",

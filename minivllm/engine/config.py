@@ -20,6 +20,7 @@ import torch
 from minivllm import backend
 from minivllm.config import _require, check_block_size, check_chunked_prefill
 from minivllm.dtype import DTYPES
+from minivllm.lora.manager import LoRAConfig
 from minivllm.model.quantization import check_quantization
 from minivllm.pp_stages import parse_partition
 from minivllm.sampling_params import SEED_MAX, SEED_MIN
@@ -131,6 +132,7 @@ class WorkerConfig:
         prepack: let float linear layers keep a prepacked copy of their
             weight for the GEMM (``$MINIVLLM_PREPACK=0`` turns it off).
         timeout_s: how long a collective waits for a peer before failing.
+        lora_config: the LoRA slots every rank keeps (``enable_lora``); None: no LoRA.
     """
 
     model: str
@@ -143,6 +145,7 @@ class WorkerConfig:
     enforce_eager: bool = False
     prepack: bool = True
     timeout_s: float = 60.0
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
@@ -170,6 +173,9 @@ class EngineConfig:
     speculative decoding (docs/speculative_decoding.md).
     ``enforce_eager`` runs the model's own forward on every device (no CUDA
     graph, no C++ layer stack), so a breakpoint in the model fires.
+    ``enable_lora`` serves LoRA adapters (``LoRARequest`` per prompt, docs/lora.md):
+    ``max_loras`` distinct adapters in one step, of rank at most ``max_lora_rank``,
+    ``max_cpu_loras`` kept loaded in host memory.
 
     Read once from the environment when left at None: ``pp_layer_partition``
     (``$MINIVLLM_PP_LAYER_PARTITION``), ``prepack`` (``$MINIVLLM_PREPACK``,
@@ -200,6 +206,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     prepack: bool | None = None
     distributed_timeout_s: float | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one rule each); read the environment."""
@@ -234,7 +244,8 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config needs pipeline_parallel_size=1 (a micro-batch in flight "
                 f"cannot verify drafts), got {self.pipeline_parallel_size}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                     "enable_lora"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                      "True or False")
         if self.prepack is None:
@@ -258,6 +269,16 @@ class EngineConfig:
                  f"at most this machine's memory ({memory} bytes)")
         check_chunked_prefill(self.enable_chunked_prefill, self.max_num_batched_tokens,
                               self.max_model_len)
+        self.lora_config()  # max_loras, max_lora_rank, max_cpu_loras: ValueError names one
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora does not run with speculative_config: the draft "
+                             "would propose for the base model, not the adapter (vLLM "
+                             "refuses the pair too); leave one out")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA slots' settings, checked; None without ``enable_lora``."""
+        config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return config if self.enable_lora else None
 
     def worker_config(self, dtype: torch.dtype, device: torch.device) -> WorkerConfig:
         """What every rank needs, with ``dtype`` and ``device`` resolved (``"auto"`` decided)."""
@@ -267,7 +288,7 @@ class EngineConfig:
             pipeline_parallel_size=self.pipeline_parallel_size,
             pp_layer_partition=self.pp_layer_partition, quantization=self.quantization,
             enforce_eager=self.enforce_eager, prepack=self.prepack,
-            timeout_s=float(self.distributed_timeout_s))
+            timeout_s=float(self.distributed_timeout_s), lora_config=self.lora_config())
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:

@@ -92,6 +92,17 @@ class Executor(abc.ABC):
         At most :attr:`max_concurrent_batches` steps may be pending at once.
         """
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Load a LoRA adapter on every rank (each its shards); ``ValueError`` if it is bad.
+
+        Rank 0 loads first, so a bad adapter is refused before any other rank hears of it.
+        """
+        self.worker.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter on every rank."""
+        self.worker.remove_lora(lora_int_id)
+
     @abc.abstractmethod
     def whole_model_worker(self) -> Worker | None:
         """The worker that holds every layer of every rank in this process, or None.
@@ -155,6 +166,16 @@ class UniProcExecutor(Executor):
         self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
         self._num_batches = 0
         self._timeline: list[StageTiming] = []
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load an adapter into every simulated stage (stage 0 first: a bad one raises there)."""
+        for w in self.workers:
+            w.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter in every simulated stage."""
+        for w in self.workers:
+            w.remove_lora(lora_int_id)
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV-cache bytes per block on one rank (the largest stage's)."""

@@ -75,14 +75,18 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad[:5]}")
 
     def process(self, prompt: str | None, prompt_token_ids: list[int],
-                sampling_params: SamplingParams, request_id: str
+                sampling_params: SamplingParams, request_id: str, lora_request: Any = None,
                 ) -> tuple[Request, RequestState, torch.Generator | None]:
-        """The checked request, its output state and its own generator (None without a seed)."""
+        """The checked request, its output state and its own generator (None without a seed).
+
+        ``lora_request`` must have been checked (``LoRARequests.check``).
+        """
         self.validate_prompt(prompt_token_ids, sampling_params)
         sampling_params.verify()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
-        request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id)
+        request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id,
+                          lora_request=lora_request)
         generator = self.sampler.make_generator(request)
         detokenizer = IncrementalDetokenizer.from_request(self.tokenizer, request)
         return request, RequestState(prompt, detokenizer, sampling_params), generator

@@ -30,6 +30,7 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
@@ -43,6 +44,7 @@ from minivllm.engine.config import (  # noqa: F401  (EngineConfig: re-exported, 
 from minivllm.engine.executor import PendingStep
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.launcher import make_executor
+from minivllm.engine.lora_requests import LoRARequests
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.ranks import simulates_all_ranks
 from minivllm.engine.sampling import StepSampler
@@ -115,6 +117,7 @@ class LLMEngine:
         # Parallel sampling (n > 1) and beam search: requests that share blocks by fork.
         self.groups = SequenceGroups(self.scheduler, self.sampler, self.output_processor,
                                      self.input_processor)
+        self.lora = LoRARequests(config.lora_config(), self.executor)
         self._rows_to_rebuild: set[str] = set()  # forked, not scheduled since
         self._forks = hasattr(self.scheduler, "take_block_changes")  # a student's may not
         self.in_flight: deque[_InFlight] = deque()
@@ -135,7 +138,8 @@ class LLMEngine:
         self.input_processor.validate_prompt(prompt_token_ids, sampling_params)
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, request_id: str | None = None) -> str:
+                    sampling_params: SamplingParams, request_id: str | None = None,
+                    lora_request: Any = None) -> str:
         """Validate, build and queue one request; return its id. Atomic.
 
         Everything is checked and built first (:mod:`.input_processor`); the
@@ -144,12 +148,15 @@ class LLMEngine:
         the sampler or the output processor.
         """
         request_id = self._new_id(request_id)
+        self.lora.check(lora_request)  # a bad adapter: ValueError, for this request alone
         if sampling_params.n > 1:
-            return self._add_parallel(prompt, prompt_token_ids, sampling_params, request_id)
+            return self._add_parallel(prompt, prompt_token_ids, sampling_params, request_id,
+                                      lora_request)
         request, state, generator = self.input_processor.process(
-            prompt, prompt_token_ids, sampling_params, request_id)
+            prompt, prompt_token_ids, sampling_params, request_id, lora_request)
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         # Nothing below can fail: the request is now in the engine, whole.
+        self.lora.hold_if_needed(request, self.scheduler)  # its adapter needs a free slot
         self.sampler.add_request(request, generator)
         self.output_processor.states[request_id] = state
         return request_id
@@ -171,12 +178,13 @@ class LLMEngine:
                              f"{self.config.max_num_seqs}: a group runs as one unit")
 
     def _add_parallel(self, prompt: str | None, prompt_token_ids: list[int],
-                      sampling_params: SamplingParams, request_id: str) -> str:
+                      sampling_params: SamplingParams, request_id: str,
+                      lora_request: Any) -> str:
         """Parallel sampling: ``n`` children, child 0 queued (see :mod:`.sequence_groups`)."""
         self._check_group(sampling_params.n, "n")
         first = self.groups.add_parallel(
             prompt, prompt_token_ids, sampling_params, request_id, self.config.block_size,
-            self.cache_config.num_blocks, self.scheduler_config.max_model_len)
+            self.cache_config.num_blocks, self.scheduler_config.max_model_len, lora_request)
         try:
             self.scheduler.add_request(first)
         except BaseException:
@@ -184,6 +192,7 @@ class LLMEngine:
                 self._forget(cid)
             self.groups.forget(request_id)
             raise
+        self.lora.hold_if_needed(first, self.scheduler)
         return request_id
 
     def add_beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams,
@@ -225,6 +234,8 @@ class LLMEngine:
             else:
                 members.append(rid)
         self.scheduler.finish_requests(members, RequestStatus.FINISHED_ABORTED)
+        if self.lora.held:
+            self.lora.abort(set(members))
         for rid in members:
             self._forget(rid)
 
@@ -242,7 +253,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request waits, runs, or has a step in flight."""
-        return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
+        return (bool(self.in_flight) or self.scheduler.has_unfinished_requests()
+                or bool(self.lora.held))
 
     # -- the step ---------------------------------------------------------------
 
@@ -262,6 +274,8 @@ class LLMEngine:
         spec_stats = SpecStats()
         so = None
         if len(self.in_flight) < self.executor.max_concurrent_batches:
+            if self.lora.held:  # requests whose adapter waited for a slot
+                self.lora.release(self.scheduler)
             with op_range("schedule"):
                 in_flight = {r.request_id for item in self.in_flight
                              for r in item.scheduler_output.scheduled}

@@ -56,9 +56,11 @@ from minivllm.engine.wire import (
     CMD_BYTES_PER_BLOCK,
     CMD_INIT_KV_CACHE,
     CMD_MEMORY,
+    CMD_REMOVE_LORA,
     CMD_SHUTDOWN,
     CMD_TIMELINE,
     make_header,
+    pack_lora_request,
     pack_step_input,
 )
 from minivllm.engine.worker import Worker
@@ -239,6 +241,26 @@ class MultiprocExecutor(Executor):
             lambda: self.link.recv_logits(pending.num_rows, vocab, self.device))
         pending.done = True
         self._pending.pop(0)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load an adapter on rank 0 (a bad one raises ``ValueError`` here, and no other
+        rank hears of it), then on every other rank."""
+        self.check_health()
+        self._require_idle("add_lora")
+        self.worker.add_lora(lora_request)
+        header, payload = pack_lora_request(lora_request)
+
+        def step() -> None:
+            self.link.send_header(header)
+            self.link.send_payload(payload)
+
+        self._run(step)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter on every rank."""
+        self._require_idle("remove_lora")
+        self.worker.remove_lora(lora_int_id)
+        self._run(lambda: self._send_header(CMD_REMOVE_LORA, lora_int_id))
 
     def whole_model_worker(self) -> Worker | None:
         """None: rank 0 holds only its shard (and its stage) of the model."""

@@ -141,7 +141,7 @@ class SequenceGroups:
 
     def add_parallel(self, prompt: str | None, prompt_token_ids: list[int],
                      params: SamplingParams, request_id: str, block_size: int,
-                     num_blocks: int, max_model_len: int) -> Request:
+                     num_blocks: int, max_model_len: int, lora_request: Any = None) -> Request:
         """Build the ``n`` children (checked, with their states); return child 0 to schedule."""
         max_tokens = params.max_tokens or max_model_len - len(prompt_token_ids)
         check_group_fits(params.n, len(prompt_token_ids), max_tokens, block_size, num_blocks, "n")
@@ -152,7 +152,7 @@ class SequenceGroups:
             seed = None if params.seed is None else (params.seed + i) % 2**64
             child_params = dataclasses.replace(params, n=1, seed=seed)
             request, state, generator = self.input_processor.process(
-                prompt, prompt_token_ids, child_params, child_id(request_id, i))
+                prompt, prompt_token_ids, child_params, child_id(request_id, i), lora_request)
             children.append(request)
             states.append((state, generator))
         group = ParallelSampling(request_id, params.n, kind, children)
@@ -354,7 +354,8 @@ class SequenceGroups:
             picks = chosen.get(b, [])
             for score, t in picks[1:]:  # fork before the parent takes its own token
                 child = Request(search.new_beam_id(), search.prompt_token_ids,
-                                search.sampling_params, parent.eos_token_id)
+                                search.sampling_params, parent.eos_token_id,
+                                lora_request=parent.lora_request)
                 for own in parent.output_token_ids:
                     child.append_output_token_ids(own)
                 self.beams[child.request_id] = search

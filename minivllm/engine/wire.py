@@ -16,13 +16,15 @@ Payload of ``CMD_EXECUTE``, end to end (``S`` scheduled requests, ``R``
 removed ones, ``C`` block copies)::
 
     input_ids (T) | positions (T) | logits_indices (L)
-    | C | copies (2C: src, dst, ...)
+    | C | copies (2C: src, dst, ...) | has_lora | lora ids (S, only if has_lora)
     | query_lens (S) | seq_lens (S) | is_new (S) | num_new_blocks (S)
     | new block ids (B, request by request)
     | id byte lengths (S + R) | id bytes (scheduled ids, then removed ids)
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -31,6 +33,7 @@ from minivllm.metadata import StepInput
 HEADER_LEN = 8
 CMD_EXECUTE, CMD_INIT_KV_CACHE, CMD_BYTES_PER_BLOCK, CMD_SHUTDOWN = 1, 2, 3, 4
 CMD_MEMORY, CMD_TIMELINE = 5, 6  # report bytes held / per-micro-batch stage timings
+CMD_ADD_LORA, CMD_REMOVE_LORA = 7, 8  # load an adapter (its name and path follow) / drop one
 
 
 def make_header(*values: int) -> torch.Tensor:
@@ -53,6 +56,7 @@ def pack_step_input(step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
     id_bytes = b"".join(encoded)
     host = [
         len(step.blocks_to_copy), *(b for pair in step.blocks_to_copy for b in pair),
+        int(bool(step.lora_ids)), *step.lora_ids,
         *step.query_lens, *step.seq_lens,
         *(int(i in step.new_req_ids) for i in step.req_ids),
         *(len(b) for b in step.new_block_ids),
@@ -77,6 +81,9 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
     num_copies = host[0]
     copies = tuple(zip(host[1 : 1 + 2 * num_copies : 2], host[2 : 2 + 2 * num_copies : 2]))
     host = host[1 + 2 * num_copies :]
+    has_lora, host = host[0], host[1:]
+    lora_ids = tuple(host[:S]) if has_lora else ()
+    host = host[S:] if has_lora else host
     query_lens, seq_lens = host[:S], host[S : 2 * S]
     is_new, num_new_blocks = host[2 * S : 3 * S], host[3 * S : 4 * S]
     blocks = host[4 * S : 4 * S + B]
@@ -104,4 +111,24 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
         positions=positions.clone(),
         logits_indices=logits_indices.clone(),
         blocks_to_copy=copies,
+        lora_ids=lora_ids,
     )
+
+
+def pack_lora_request(lora_request: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header, payload)`` of ``CMD_ADD_LORA``: the id in the header, then the name and
+    the path as UTF-8 bytes (one byte per int64), name first (header: their lengths)."""
+    name, path = lora_request.lora_name.encode(), lora_request.lora_path.encode()
+    payload = torch.tensor([*name, *path], dtype=torch.int64)
+    # The payload's length goes last, where every receiver reads it (as CMD_EXECUTE's).
+    return make_header(CMD_ADD_LORA, lora_request.lora_int_id, len(name), len(path),
+                       0, 0, 0, payload.numel()), payload
+
+
+def unpack_lora_request(header: torch.Tensor, payload: torch.Tensor) -> Any:
+    """Invert :func:`pack_lora_request`."""
+    from minivllm.lora.request import LoRARequest
+
+    _, lora_int_id, num_name, _ = header.tolist()[:4]
+    data = bytes(payload.tolist())
+    return LoRARequest(data[:num_name].decode(), lora_int_id, data[num_name:].decode())

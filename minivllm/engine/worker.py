@@ -17,6 +17,7 @@ CUDA graph / C++ layer stack of that same forward).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -73,6 +74,43 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_tables = None  # this rank's BlockTables, made by init_kv_cache
         self.model_runner = None  # made by init_kv_cache, over the KV cache
+        self.lora_manager = self.lora_context = None
+        if config.lora_config is not None:
+            self._init_lora(config.lora_config)
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def _init_lora(self, lora_config: Any) -> None:
+        """The adapter slots for this rank's layers and shards, and a hook on every
+        fused projection that adds the step's adapters (:mod:`minivllm.lora.layers`)."""
+        from minivllm.lora.layers import LoRAContext, add_lora_hooks
+        from minivllm.lora.manager import LoRAManager
+
+        # Where one process computes every rank's output (ref.linear), it holds whole
+        # adapters; a real rank holds its shards.
+        real = distributed.is_initialized()
+        tp_rank, tp_size = (distributed.get_tp_rank(), distributed.get_tp_size()) if real \
+            else (0, 1)
+        self.lora_manager = LoRAManager(self.hf_config, lora_config, self.dtype, self.device,
+                                        tp_rank, tp_size, self.layer_range)
+        self.lora_context = LoRAContext()
+        self.lora_requests: dict[int, Any] = {}  # lora_int_id -> LoRARequest
+        add_lora_hooks(self.model, self.lora_context, self.components.lora)
+        # The fast paths (C++ layer stack, CUDA graphs) never call the hooks: a step
+        # with adapters runs the model's own forward (ModelInput.lora, see run_model).
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Load (and check) an adapter into this rank's CPU cache; ``ValueError`` if bad."""
+        if self.lora_manager is None:
+            raise ValueError("a LoRA adapter needs enable_lora=True")
+        self.lora_manager.add_lora(lora_request)
+        self.lora_requests[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (its slot and its cached weights)."""
+        if self.lora_manager is not None:
+            self.lora_manager.remove_lora(lora_int_id)
+            self.lora_requests.pop(lora_int_id, None)
 
     def bytes_per_block(self, block_size: int) -> int:
         """KV-cache bytes one block costs on this rank, over all layers, K and V."""
@@ -156,9 +194,14 @@ class Worker:
             mapping = torch.tensor(step_input.blocks_to_copy, dtype=torch.int64,
                                    device=self.device)  # (num_copies, 2): src, dst
             self.components.cache_write.copy_blocks(self.kv_caches, mapping)
-        return ModelInput.build(self.block_tables, step_input.req_ids, step_input.query_lens,
-                                step_input.seq_lens, step_input.input_ids,
-                                step_input.positions, step_input.logits_indices, self.device)
+        model_input = ModelInput.build(
+            self.block_tables, step_input.req_ids, step_input.query_lens, step_input.seq_lens,
+            step_input.input_ids, step_input.positions, step_input.logits_indices, self.device)
+        if any(step_input.lora_ids):  # the step's adapters into their slots, tokens mapped
+            requests = [self.lora_requests[i] if i else None for i in step_input.lora_ids]
+            lora = self.lora_manager.prepare_step(requests, step_input.query_lens)
+            model_input = dataclasses.replace(model_input, lora=lora)
+        return model_input
 
     def execute_model(self, step_input: StepInput) -> torch.Tensor | None:
         """One engine step on this rank: ``(num_sampled, vocab)`` float32 logits.
@@ -181,6 +224,8 @@ class Worker:
         ``intermediate_tensors`` (None on the first) and returns its own; the
         last stage returns the logits of the rows to sample.
         """
+        if self.lora_context is not None:  # what the projections' LoRA hooks add
+            self.lora_context.batch = model_input.lora
         out = self.model_runner.execute_model(model_input, intermediate_tensors)
         if not self.is_last_rank:
             return out  # IntermediateTensors for the next stage
@@ -229,6 +274,10 @@ def serve(worker: Worker, link: Any) -> None:
             dist.gather_object(timeline, None, dst=0, group=distributed.get_world_cpu_group())
             if int(header[1]):
                 timeline = []
+        elif cmd == wire.CMD_ADD_LORA:
+            worker.add_lora(wire.unpack_lora_request(header, link.recv_payload(int(header[-1]))))
+        elif cmd == wire.CMD_REMOVE_LORA:
+            worker.remove_lora(int(header[1]))
         elif cmd == wire.CMD_SHUTDOWN:
             link.wait_sends()
             return

@@ -330,6 +330,9 @@ class RowParallelLinear(_Prepacked, nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        #: Called as ``add_to_partial(y, x)`` on this rank's partial sum before the
+        #: all-reduce (a LoRA delta joins it there: minivllm.lora.layers); None: nothing.
+        self.add_to_partial = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Weight: copy this rank's input columns; bias: copy it whole."""
@@ -346,6 +349,8 @@ class RowParallelLinear(_Prepacked, nn.Module):
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
         y = linear(x, self.weight, packed=self.packed_weight)  # (T, out): this rank's partial sum
+        if self.add_to_partial is not None:
+            self.add_to_partial(y, x)
         y = distributed.tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

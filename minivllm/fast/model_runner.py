@@ -161,7 +161,9 @@ class ModelRunner(_ref.ModelRunner):
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput, intermediate_tensors: Any = None) -> Any:
         """The model's forward over one step, by the fastest path that runs it exactly."""
-        if not is_recording():
+        # A step with LoRA adapters runs the model's own forward: only its projections'
+        # hooks add the adapters (minivllm.lora.layers).
+        if not is_recording() and model_input.lora is None:
             if self.layer_stack is not None and self.layer_stack.can_run(model_input):
                 return self.layer_stack.run(model_input)
             if self.cuda_graphs is not None and self.cuda_graphs.can_run(model_input):

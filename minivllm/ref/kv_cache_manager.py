@@ -309,7 +309,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs, tokens = self.block_size, request.all_token_ids
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else request.root_block_hash
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
         # END SOLUTION

@@ -415,6 +415,18 @@ class Scheduler:
                 return True
         return False
 
+    def withdraw(self, request_id: str) -> Request:
+        """Take a waiting request back out of the scheduler, untouched (the engine holds a
+        LoRA request whose adapter has no slot yet, and queues it again with
+        :meth:`requeue`)."""
+        request = self.requests[request_id]
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request_id!r} is not waiting; only a waiting "
+                             "request can be withdrawn")
+        self.waiting.remove(request)
+        del self.requests[request_id]
+        return request
+
     def requeue(self, request_ids: Iterable[str], *, to_front: bool = True,
                 new_requests: Iterable[Request] = ()) -> None:
         """Send running requests back to the waiting queue, together and in their order.

@@ -1,0 +1,138 @@
+"""Multi-LoRA serving in the engine, against transformers + peft.
+
+The oracle is PEFT's own model (``peft_model``: the adapters loaded through
+PEFT's loader) run greedily with a plain argmax loop (no cache), one prompt
+and one adapter at a time. The engine gets a mixed batch: prompts under
+different adapters and under none, in one ``generate`` call, and must give
+each prompt exactly its oracle's tokens (float32). ``max_loras`` below the
+number of adapters forces slot reuse (the LRU) and the engine's holding back
+of requests whose adapter has no slot; a tiny KV pool forces preemption and a
+small token budget chunked prefill. Prefix caching with the same prompt under
+two adapters must not share their blocks.
+"""
+
+from __future__ import annotations
+
+import lora_utils
+import pytest
+import torch
+from lora_utils import lora_request, peft_model
+from test_engine import make_llm, random_prompts
+
+from minivllm import SamplingParams
+from minivllm.lora.request import LoRARequest
+
+lora_adapters = lora_utils.lora_adapters  # the session fixture (see lora_utils)
+
+NEW_TOKENS = 6
+
+
+def oracle_tokens(model, prompt: list[int], adapter: str | None, n: int) -> list[int]:
+    """PEFT's greedy continuation of ``prompt`` under ``adapter`` (None: the base model)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                for _ in range(n):
+                    seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        else:
+            model.set_adapter(adapter)
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def run_mixed(llm, adapters, prompts, names) -> list[list[int]]:
+    loras = [None if n is None else lora_request(adapters, n) for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False, lora_request=loras)
+    engine = llm.llm_engine
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {"max_loras": 6}),
+    ("qwen2", {"max_loras": 2}),  # fewer slots than adapters: LRU, held requests
+    ("llama", {"max_loras": 3, "num_gpu_blocks_override": 14, "max_num_batched_tokens": 7,
+               "block_size": 2}),  # preemption and chunked prefill
+])
+def test_mixed_batch_matches_peft(lora_adapters, arch, overrides):
+    base, adapters = lora_adapters(arch)
+    names = [*adapters, None, "all_r16", None, "qv_r4"]
+    prompts = random_prompts(len(names), [5, 9, 3, 12], seed=len(names))
+    oracle = peft_model(base, adapters)
+    want = [oracle_tokens(oracle, p, n, NEW_TOKENS) for p, n in zip(prompts, names)]
+    overrides = dict(overrides)
+    llm = make_llm(base, enable_lora=True, max_lora_rank=16,
+                   block_size=overrides.pop("block_size", 4), **overrides)
+    assert run_mixed(llm, adapters, prompts, names) == want
+
+
+def test_prefix_cache_keeps_adapters_apart(lora_adapters):
+    """One long prompt under two adapters then the base model, prefix caching on: each
+    equals its oracle (a shared block would give one adapter's K/V to the other)."""
+    base, adapters = lora_adapters("llama")
+    prompt = random_prompts(1, [33], seed=3)[0]
+    oracle = peft_model(base, adapters)
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4,
+                   enable_prefix_caching=True)
+    for name in ("all_r16", "qv_r4", None, "all_r16"):
+        got = run_mixed(llm, adapters, [prompt], [name])[0]
+        assert got == oracle_tokens(oracle, prompt, name, NEW_TOKENS), name
+
+
+def test_bad_adapters_are_refused_and_the_engine_serves_on(lora_adapters, tmp_path):
+    base, adapters = lora_adapters("llama")
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    missing = tmp_path / "no-such-adapter"
+    with pytest.raises(ValueError, match="no-such-adapter"):
+        llm.generate(prompt, sp, lora_request=LoRARequest("x", 7, str(missing)))
+    with pytest.raises(ValueError, match="16"):  # all_r16's rank is above max_lora_rank=8
+        llm.generate(prompt, sp, lora_request=lora_request(adapters, "all_r16"))
+    with pytest.raises(ValueError, match="lora_int_id 1 is already"):
+        llm.generate(prompt * 2, sp, lora_request=[
+            lora_request(adapters, "qv_r4"), LoRARequest("other", 1, str(adapters["regex_r1"]))])
+    other, _ = lora_adapters("qwen2")  # an adapter made for another model: shapes differ
+    wrong = lora_utils.save_peft_adapter(other, tmp_path / "wrong", r=4, lora_alpha=4,
+                                         target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="another model"):
+        llm.generate(prompt, sp, lora_request=LoRARequest("wrong", 9, str(wrong)))
+    head = lora_utils.save_peft_adapter(base, tmp_path / "head", r=4, lora_alpha=4,
+                                        target_modules=["lm_head"])
+    with pytest.raises(ValueError, match="lm_head"):  # a target the engine does not adapt
+        llm.generate(prompt, sp, lora_request=LoRARequest("head", 10, str(head)))
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
+    out = llm.generate(prompt, sp, lora_request=lora_request(adapters, "qv_r4"))
+    assert len(out[0].outputs[0].token_ids) == 3
+    plain = make_llm(base, block_size=4)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate(prompt, sp, lora_request=lora_request(adapters, "qv_r4"))
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 2}])
+def test_parallel_ranks_match_peft(lora_adapters, parallel):
+    """tp=2 (each rank its shards of A / B: column-parallel B rows, row-parallel A
+    columns before the all-reduce) and pp=2 (each stage its layers' slots); real
+    processes under --backend=fast, the ref's simulation under --backend=ref."""
+    from test_tp_engine import _tp_llm
+
+    base, adapters = lora_adapters("llama")
+    names = ["all_r16", None, "patterns_r8", "layer1_r3"]
+    prompts = random_prompts(len(names), [7, 4, 10], seed=8)
+    oracle = peft_model(base, adapters)
+    want = [oracle_tokens(oracle, p, n, NEW_TOKENS) for p, n in zip(prompts, names)]
+    tp = parallel.get("tensor_parallel_size", 1)
+    kw = {k: v for k, v in parallel.items() if k != "tensor_parallel_size"}
+    llm = _tp_llm(base, tp, block_size=4, enable_lora=True, max_loras=2, max_lora_rank=16,
+                  **kw)
+    try:
+        assert run_mixed(llm, adapters, prompts, names) == want
+    finally:
+        llm.shutdown()
