@@ -68,6 +68,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "no C++ layer stack on a CPU (both replay it bit for bit), so a "
                         "breakpoint in LlamaDecoderLayer.forward fires; slower")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT's format) beside the base model")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="distinct adapters one step can serve (device slots; default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory (default: --max-loras)")
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\', or '
@@ -112,6 +120,8 @@ def _make_llm(args):
         pp_layer_partition=args.pp_layer_partition, enforce_eager=args.enforce_eager,
         seed=args.seed, speculative_config=args.speculative_config,
         distributed_executor_backend=args.distributed_executor_backend,
+        enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -221,11 +231,36 @@ def cmd_serve(args) -> int:
             max_detokenize_tokens=args.max_detokenize_tokens, max_n=args.max_n)
     except ValueError as e:
         raise SystemExit(f"minivllm serve: {e}") from None
-    llm = AsyncLLM(_make_llm(args).llm_engine, max_waiting_requests=args.max_waiting_requests)
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("minivllm serve: --lora-modules needs --enable-lora")
+    engine = _make_llm(args).llm_engine
+    try:
+        adapters = load_lora_modules(engine, args.lora_modules or [])
+    except ValueError as e:
+        engine.shutdown()
+        raise SystemExit(f"minivllm serve: --lora-modules: {e}") from None
+    llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
     run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
                api_key=api_key or None, log_level=args.uvicorn_log_level, limits=limits,
-               api_key_all_paths=args.api_key_all_paths)
+               api_key_all_paths=args.api_key_all_paths, lora_modules=adapters,
+               allow_lora_updates=args.allow_runtime_lora_updating)
     return 0
+
+
+def load_lora_modules(engine, specs: list[str]) -> dict:
+    """``name=path`` specs -> ``{name: LoRARequest}``, each adapter loaded (ids 1, 2, ...)."""
+    from minivllm.lora.request import LoRARequest
+
+    adapters = {}
+    for i, spec in enumerate(specs, start=1):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"expected name=path, got {spec!r}")
+        if name in adapters:
+            raise ValueError(f"the name {name!r} is given twice")
+        adapters[name] = LoRARequest(name, i, path)
+        engine.lora.check(adapters[name])  # loaded on every rank now: a bad one stops here
+    return adapters
 
 
 def cmd_bench(args, rest: list[str]) -> int:
@@ -310,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-n", type=int, default=caps.max_n,
                    help="most completions one request may ask for: n times its prompts, "
                         "and the widest use_beam_search (default %(default)s)")
+    g = p.add_argument_group("LoRA adapters (with --enable-lora)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters to serve, each chosen by a request's model field and "
+                        "listed in /v1/models")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     g = p.add_argument_group("server logging")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],

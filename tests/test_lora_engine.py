@@ -136,3 +136,55 @@ def test_parallel_ranks_match_peft(lora_adapters, parallel):
         assert run_mixed(llm, adapters, prompts, names) == want
     finally:
         llm.shutdown()
+
+
+def test_server_serves_adapters_by_model_name(lora_adapters, tmp_path):
+    """``serve --enable-lora --lora-modules``: /v1/models lists them, ``model`` picks one
+    (through the official client: the offline engine's text under that adapter, whose
+    tokens are PEFT's, test_mixed_batch_matches_peft), load/unload at run time."""
+    import httpx
+    import openai
+    from server_utils import ServerProcess
+
+    base, adapters = lora_adapters("llama")
+    offline = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=16, block_size=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def text(name):
+        lora = None if name is None else lora_request(adapters, name)
+        out = offline.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
+                               lora_request=lora)
+        return out[0].outputs[0].text
+
+    prompt = [72, 101, 108, 108, 111]
+    server = ServerProcess(str(base), "--served-model-name", "base", "--enable-lora",
+                           "--max-loras", "2", "--max-lora-rank", "16", "--backend", "ref",
+                           "--dtype", "float32", "--lora-modules",
+                           f"qv={adapters['qv_r4']}", f"all={adapters['all_r16']}",
+                           "--allow-runtime-lora-updating")
+    try:
+        c = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                          timeout=60)
+        assert [m.id for m in c.models.list().data] == ["base", "qv", "all"]
+        for model, name in (("qv", "qv_r4"), ("all", "all_r16"), ("base", None)):
+            got = c.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                       temperature=0, extra_body={"ignore_eos": True})
+            assert got.choices[0].text == text(name), model
+            assert got.model == model
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="nope", prompt=prompt, max_tokens=2)
+        url = server.base_url
+        r = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "mlp", "lora_path": str(adapters["mlp_rslora_r8"])})
+        assert r.status_code == 200, r.text
+        bad = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                         json={"lora_name": "gone", "lora_path": str(tmp_path / "missing")})
+        assert bad.status_code == 400 and "missing" in bad.json()["error"]["message"]
+        got = c.completions.create(model="mlp", prompt=prompt, max_tokens=NEW_TOKENS,
+                                   temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == text("mlp_rslora_r8")
+        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "mlp" not in [m.id for m in c.models.list().data]
+    finally:
+        server.stop()

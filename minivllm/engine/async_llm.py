@@ -169,9 +169,12 @@ class AsyncLLM:
             raise ValueError(e.reason) from None
 
     async def add_requests(
-        self, requests: Sequence[tuple[str | list[int], SamplingParams, str | None]],
+        self, requests: Sequence[tuple],
     ) -> list[RequestStream]:
-        """Queue ``(prompt, sampling_params, request_id)`` requests as one command.
+        """Queue ``(prompt, params, request_id[, lora_request])`` requests as one command.
+
+        ``params``: a :class:`SamplingParams` (``n`` completions: ``n`` streams, in
+        order) or a :class:`BeamSearchParams` (``beam_width`` streams, best first).
 
         The engine thread adds them all between two steps, so the next step can
         schedule all of them. All or nothing: if one is refused, the ones
@@ -180,8 +183,8 @@ class AsyncLLM:
         """
         if self.error is not None:
             raise self.error
-        asked = sum(p.beam_width if isinstance(p, BeamSearchParams) else p.n
-                    for _, p, _ in requests)  # each completion counts
+        asked = sum(r[1].beam_width if isinstance(r[1], BeamSearchParams) else r[1].n
+                    for r in requests)  # each completion counts
         if self.num_in_flight + asked > self.max_requests:
             raise QueueFullError(
                 f"the server is full: {self.num_in_flight} requests in flight and "
@@ -190,7 +193,7 @@ class AsyncLLM:
             )
         loop = asyncio.get_running_loop()
         batch, streams, ids = [], [], set()
-        for prompt, params, request_id in requests:
+        for prompt, params, request_id, *lora in requests:
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
             if request_id in self._engine_ids or request_id in ids:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -202,7 +205,7 @@ class AsyncLLM:
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             size = params.beam_width if isinstance(params, BeamSearchParams) else params.n
             group = [RequestStream(request_id, loop, i, size) for i in range(size)]
-            batch.append((text, ids_, params, group))
+            batch.append((text, ids_, params, group, lora[0] if lora else None))
             streams += group
         self._ensure_thread()
         for s in streams:
@@ -219,6 +222,14 @@ class AsyncLLM:
     @property
     def _engine_ids(self) -> set[str]:
         return {s.request_id for s in self._streams.values()}
+
+    async def add_lora(self, lora_request) -> None:
+        """Load a LoRA adapter on every rank (between two steps); ``ValueError`` if bad."""
+        await self._send("lora", ("add", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter; ``ValueError`` while a request still uses it."""
+        await self._send("lora", ("remove", lora_int_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (all its ``n`` completions) and free its KV blocks; return once
@@ -316,6 +327,8 @@ class AsyncLLM:
             exc = self.error or self._add(arg)
         elif kind == "abort" and self.error is None:
             self._abort(arg)
+        elif kind == "lora":
+            exc = self.error or self._lora(*arg)
         if done is not None:
             with contextlib.suppress(RuntimeError):  # its loop is gone: nobody waits
                 done.get_loop().call_soon_threadsafe(_resolve, done, exc)
@@ -324,21 +337,38 @@ class AsyncLLM:
     def _add(self, batch) -> BaseException | None:
         """(engine thread) Add every request of ``batch``, or none of them."""
         added: list[str] = []
-        for index, (text, ids, params, group) in enumerate(batch):
+        for index, (text, ids, params, group, lora) in enumerate(batch):
             request_id = group[0].request_id
             try:
                 if isinstance(params, BeamSearchParams):
+                    if lora is not None:
+                        raise ValueError("use_beam_search does not run under a LoRA adapter")
                     self.engine.add_beam_search(ids, params, request_id)
                 else:
-                    self.engine.add_request(text, ids, params, request_id)
+                    self.engine.add_request(text, ids, params, request_id, lora_request=lora)
             except Exception as e:  # a refused request: the caller's error
                 self.engine.abort_request(added)
                 if not isinstance(e, ValueError):
                     return e
                 return InvalidRequestError(str(e), index, len(batch))
             added.append(request_id)
-        for _, _, _, group in batch:
+        for *_, group, _ in batch:
             self._routes[group[0].request_id] = group
+        return None
+
+    def _lora(self, action: str, arg) -> BaseException | None:
+        """(engine thread) Load or remove an adapter; the caller's error, if any."""
+        try:
+            if action == "add":
+                self.engine.lora.check(arg)
+            elif any(r.lora_request is not None and r.lora_request.lora_int_id == arg
+                     for r in self.engine.scheduler.requests.values()) or any(
+                    r.lora_request.lora_int_id == arg for r in self.engine.lora.held):
+                return ValueError(f"adapter {arg} is in use by a request; retry when it is done")
+            elif not self.engine.lora.remove(arg):
+                return ValueError(f"no adapter with lora_int_id {arg} is loaded")
+        except Exception as e:  # noqa: BLE001 -- a bad adapter: the caller's error
+            return e
         return None
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -5,7 +5,9 @@ A FastAPI app over one :class:`~minivllm.engine.async_llm.AsyncLLM`:
 =========================  ====================================================
 ``POST /v1/completions``   continue a prompt (OpenAI's completions API)
 ``POST /v1/chat/completions``  answer a conversation (the model's chat template)
-``GET  /v1/models``        the one served model
+``GET  /v1/models``        the served model, and its LoRA adapters (``--lora-modules``)
+``POST /v1/load_lora_adapter``    load an adapter (``--allow-runtime-lora-updating``)
+``POST /v1/unload_lora_adapter``  stop serving one (the same flag)
 ``GET  /health``           200 while the engine loop is alive, else 503
 ``POST /tokenize``         text or messages -> token ids
 ``POST /detokenize``       token ids -> text
@@ -47,7 +49,9 @@ from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
 
@@ -183,7 +187,8 @@ class BodyLimitMiddleware:
 
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
               limits: ServingLimits | None = None,
-              api_key_all_paths: bool = False) -> FastAPI:
+              api_key_all_paths: bool = False, lora_modules: dict | None = None,
+              allow_lora_updates: bool = False) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name``; metrics are registered on ``llm``.
 
     With ``api_key``, every path needs it except :data:`OPEN_PATHS`
@@ -193,7 +198,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     limits = limits or ServingLimits()
     metrics = PrometheusStatLogger(model_name)
     llm.stat_loggers.append(metrics)
-    serving = OpenAIServing(llm, model_name, limits)
+    serving = OpenAIServing(llm, model_name, limits, lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -245,9 +250,23 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "minivllm", "max_model_len": llm.max_model_len}]}
+        now = int(time.time())
+        base = {"id": model_name, "object": "model", "created": now, "owned_by": "minivllm",
+                "root": model_name, "parent": None, "max_model_len": llm.max_model_len}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": model_name}
+                    for name, lora in serving.lora_modules.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    if allow_lora_updates:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+            await serving.load_lora_adapter(req.lora_name, req.lora_path)
+            return Response(f"Success: LoRA adapter {req.lora_name!r} added.", 200)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+            await serving.unload_lora_adapter(req.lora_name)
+            return Response(f"Success: LoRA adapter {req.lora_name!r} removed.", 200)
 
     @app.get("/health")
     async def health() -> Response:
@@ -300,12 +319,13 @@ def _uvicorn_server(app: FastAPI, log_level: str):
 
 def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "warning",
-               limits: ServingLimits | None = None, api_key_all_paths: bool = False) -> None:
+               limits: ServingLimits | None = None, api_key_all_paths: bool = False,
+               lora_modules: dict | None = None, allow_lora_updates: bool = False) -> None:
     """Serve until SIGINT/SIGTERM (blocking). Prints the URL once it listens."""
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths),
-                             log_level)
+    server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths,
+                                       lora_modules, allow_lora_updates), log_level)
     print(f"minivllm serve: {model_name!r} on {url} (OpenAI API at {url}/v1)", flush=True)
     server.run(sockets=[sock])
 

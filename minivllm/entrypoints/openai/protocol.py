@@ -321,3 +321,17 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter``: serve the adapter at ``lora_path`` as ``lora_name``."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

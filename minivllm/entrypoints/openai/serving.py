@@ -73,9 +73,13 @@ class OpenAIServing:
     """
 
     def __init__(self, llm: AsyncLLM, model_name: str,
-                 limits: ServingLimits | None = None) -> None:
+                 limits: ServingLimits | None = None,
+                 lora_modules: dict | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
+        #: LoRA adapters by served name (``--lora-modules``, ``/v1/load_lora_adapter``):
+        #: a request's ``model`` picks one.
+        self.lora_modules: dict = dict(lora_modules or {})
         self.limits = limits or ServingLimits()
         self.tokenizer = llm.tokenizer
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1,
@@ -91,11 +95,41 @@ class OpenAIServing:
         return await loop.run_in_executor(self._tokenizer_pool,
                                           functools.partial(fn, *args, **kwargs))
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served model (None means the served model)."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model[:100]!r} does not exist; this server serves "
-                                f"{self.model_name!r} (see GET /v1/models)", "model")
+    def check_model(self, model: str | None):
+        """The LoRA adapter ``model`` names (None: the base model); 404 if it is neither
+        the served model (None means it too) nor an adapter."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        names = [self.model_name, *self.lora_modules]
+        raise APIError(404, f"model {model[:100]!r} does not exist; this server serves "
+                            f"{names} (see GET /v1/models)", "model")
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load an adapter and serve it as ``name`` (400 if it is bad or the name is taken)."""
+        from minivllm.lora.request import LoRARequest
+
+        if name == self.model_name or name in self.lora_modules:
+            raise APIError(400, f"the name {name[:100]!r} is already served", "lora_name")
+        ids = [r.lora_int_id for r in self.lora_modules.values()]
+        try:
+            lora = LoRARequest(name, max(ids, default=0) + 1, path)
+            await self.llm.add_lora(lora)
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_path") from None
+        self.lora_modules[name] = lora
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving an adapter (400 while a request uses it, 404 if unknown)."""
+        lora = self.lora_modules.get(name)
+        if lora is None:
+            raise APIError(404, f"no adapter named {name[:100]!r} is served", "lora_name")
+        try:
+            await self.llm.remove_lora(lora.lora_int_id)
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_name") from None
+        del self.lora_modules[name]
 
     def check_token_ids(self, ids: list[int], field_name: str, max_len: int) -> None:
         """400 unless ``ids`` is at most ``max_len`` ids, each in the vocabulary
@@ -141,29 +175,30 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         texts = req.prompts()
         req.check_limits(self.limits, len(texts))
         # Token-id prompts are checked by the engine (length first, then the vocabulary).
         prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
-        kind = Kind("cmpl", "text_completion", chat=False, model=self.model_name,
+        kind = Kind("cmpl", "text_completion", chat=False, model=req.model or self.model_name,
                     top_n=req.logprobs or 0)
-        return await self._create(req, prompts, kind)
+        return await self._create(req, prompts, kind, lora)
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         req.check_limits(self.limits)
         prompt = await self.chat_prompt(req.messages, req.add_generation_prompt)
-        kind = Kind("chatcmpl", "chat.completion", chat=True, model=self.model_name,
+        kind = Kind("chatcmpl", "chat.completion", chat=True, model=req.model or self.model_name,
                     top_n=req.top_logprobs or 0)
-        return await self._create(req, [prompt], kind)
+        return await self._create(req, [prompt], kind, lora)
 
     # -- shared machinery --------------------------------------------------------------
 
-    async def _create(self, req, prompts: list[list[int]], kind: Kind):
+    async def _create(self, req, prompts: list[list[int]], kind: Kind, lora=None):
         params = req.engine_params()
-        batch = [(prompt, params, f"{kind.id}-{p_idx}") for p_idx, prompt in enumerate(prompts)]
+        batch = [(prompt, params, f"{kind.id}-{p_idx}", lora)
+                 for p_idx, prompt in enumerate(prompts)]
         try:
             # One command for the whole request: its prompts start in the same step.
             streams = await self.llm.add_requests(batch)  # n per prompt, in choice order
