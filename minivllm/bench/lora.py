@@ -22,8 +22,8 @@ The delta's arithmetic is ``2 * T * r * sum(in + out_i)`` flops over the seven s
 ``n * r * sum(in + out_i)`` adapter weights: GFLOP/s below uses that formula.
 
 The end-to-end part (``--e2e``: B = 1 and 64 requests with 1 / 4 / 8 adapters
-against the base model, through ``LLM(..., enable_lora=True)``) is the hook
-:func:`end_to_end`, filled in when the engine serves adapters.
+against the base model, through ``LLM(..., enable_lora=True)``) is
+:mod:`minivllm.bench.lora_e2e`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def delta_flops(num_tokens: int, rank: int) -> int:
 def time_layer(layer: dict, num_tokens: int, num_adapters: int, dtype: torch.dtype,
                device: str) -> dict:
     """Median ms of one layer's delta by the ref and the fast twin, and of its base GEMMs."""
-    from minivllm.bench.kernels import _bench
+    from minivllm.bench.harness import median_ms as _bench
     from minivllm.fast import linear as fast_linear
     from minivllm.fast import lora as fast_lora
     from minivllm.lora.mapping import LoRAMapping
@@ -120,17 +120,11 @@ def run(rank: int = 16, dtype: torch.dtype = torch.float32, device: str = "cpu",
 
 # ----------------------------------------------------------------- LEAD: end-to-end hook
 def end_to_end(args: argparse.Namespace) -> list[dict]:
-    """LEAD: B = 1 and B = 64 requests with 1 / 4 / 8 adapters against the base model.
+    """B = 1 and B = 64 requests with 1 / 4 / 8 adapters against the base model
+    (:mod:`minivllm.bench.lora_e2e`)."""
+    from minivllm.bench import lora_e2e
 
-    To fill in once ``LLM(model, enable_lora=True, max_loras=8, max_lora_rank=16)`` and
-    ``generate(..., lora_request=...)`` exist: decode tokens/s of the base model, then of
-    the same batch with every request on one adapter, then spread over 4 and 8 adapters
-    (PEFT adapters made by ``tests/lora_utils.save_peft_adapter`` on SmolLM2); report each
-    as a ratio to the base model's throughput.
-    """
-    raise SystemExit("--e2e: the engine does not serve LoRA adapters yet (issue 28); the "
-                     "component rows above run without it")
-# ----------------------------------------------------------------- end of the hook
+    return lora_e2e.run(args.model, rank=args.rank, output_len=args.output_len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--e2e", action="store_true", help="also the end-to-end rows (the hook)")
+    p.add_argument("--e2e", action="store_true",
+                   help="also the end-to-end rows: LLM.generate with B = 1, 64 and 1 / 4 / 8 "
+                        "adapters against the base model (minivllm.bench.lora_e2e)")
+    p.add_argument("--model", default="smollm2", help="--e2e: the base model")
+    p.add_argument("--output-len", type=int, default=32, help="--e2e: tokens per request")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,0 +1,102 @@
+"""Multi-LoRA serving end to end: ``python -m minivllm.bench lora --e2e``.
+
+B requests (1 or 64), each a short prompt and ``--output-len`` greedy tokens,
+through ``LLM.generate`` on SmolLM2: the base model alone (an engine without
+LoRA: its fastest path), then the same batch on ``enable_lora=True,
+max_loras=8`` engine with every request on one adapter, and spread
+round-robin over 4 and 8 adapters (rank 16, all seven linear modules; made
+here in PEFT's format with random weights). Each row is generated tokens per
+second and its ratio to the base model's (the issue's targets: at least 0.7x
+at B=64 with 8 adapters, at most 20% decode overhead at B=1).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm.lora.models import PACKED_MODULES_MAPPING, module_shapes
+
+MODULES = [m for modules in PACKED_MODULES_MAPPING.values() for m in modules]
+
+
+def write_random_adapter(path: Path, hf_config, rank: int, seed: int) -> Path:
+    """A PEFT-format adapter on every linear module of every layer, random A and B."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = module_shapes(hf_config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for module in MODULES:
+            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
+                else "mlp"
+            n_in, n_out = shapes[module]
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": MODULES,
+        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+    return path
+
+
+def _time(llm, prompts, params, loras) -> tuple[float, int]:
+    llm.generate(prompts[:2], params, use_tqdm=False,
+                 lora_request=loras[:2] if isinstance(loras, list) else loras)  # warm
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run(model: str = "smollm2", batch_sizes=(1, 64), adapter_counts=(1, 4, 8),
+        rank: int = 16, output_len: int = 32, backend: str = "auto",
+        dtype: str = "auto") -> list[dict]:
+    """Every row (see the module docstring); prints the table."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.lora.request import LoRARequest
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    kw = dict(backend=backend, dtype=dtype, max_model_len=256)
+    base = LLM(model, **kw)
+    hf_config = base.llm_engine.executor.hf_config
+    prompts_by_b = {b: [f"Request {i}: write a short line about the number {i}."
+                        for i in range(b)] for b in batch_sizes}
+    rows = []
+    base_tps = {}
+    for b in batch_sizes:
+        seconds, tokens = _time(base, prompts_by_b[b], params, None)
+        base_tps[b] = tokens / seconds
+        rows.append(dict(batch=b, adapters=0, tokens_per_s=tokens / seconds, ratio=1.0))
+    base.shutdown()
+    with tempfile.TemporaryDirectory(prefix="minivllm-lora-bench-") as tmp:
+        loras = [LoRARequest(f"adapter{i}", i + 1,
+                             str(write_random_adapter(Path(tmp) / f"a{i}", hf_config, rank, i)))
+                 for i in range(max(adapter_counts))]
+        llm = LLM(model, enable_lora=True, max_loras=max(adapter_counts), max_lora_rank=rank,
+                  max_cpu_loras=max(adapter_counts), **kw)
+        for b in batch_sizes:
+            for k in adapter_counts:
+                if k > b:  # one request uses one adapter
+                    continue
+                chosen = [loras[i % k] for i in range(b)]
+                seconds, tokens = _time(llm, prompts_by_b[b], params, chosen)
+                rows.append(dict(batch=b, adapters=k, tokens_per_s=tokens / seconds,
+                                 ratio=tokens / seconds / base_tps[b]))
+        llm.shutdown()
+    print(f"\nend to end: {model}, rank {rank}, {output_len} generated tokens per request")
+    print(f"{'B':>4} {'adapters':>9} {'tok/s':>9} {'vs base':>8}")
+    for r in rows:
+        name = "base" if r["adapters"] == 0 else str(r["adapters"])
+        print(f"{r['batch']:>4} {name:>9} {r['tokens_per_s']:>9.1f} {r['ratio']:>7.2f}x")
+    return rows
+
+
+__all__ = ["run", "write_random_adapter"]
