@@ -338,3 +338,49 @@ def test_a_killed_builds_lock_is_cleared_and_a_live_one_is_kept(tmp_path):
     assert not lock.exists()
     assert not clear_stale_lock(tmp_path, now)  # nothing left to clear
     assert not clear_stale_lock(tmp_path / "missing", now)
+
+
+def test_build_lock_takes_over_a_dead_holder_and_names_a_live_one(tmp_path, capsys):
+    """The build lock records its holder: a killed build's lock (and torch's beside it) is
+    taken over at once; a live holder is waited for, named within a second."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from minivllm.fast.cpu_ops import build_lock, lock_holder
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    lock = tmp_path / "minivllm.lock"
+    lock.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(),
+                                "started": 0}))
+    (tmp_path / "lock").write_text("")  # torch's, left by the same killed build
+    assert lock_holder(lock) is None
+    with build_lock(tmp_path):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert not (tmp_path / "lock").exists()
+    assert not lock.exists()
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(),
+                                    "started": 0}))
+        got = threading.Event()
+
+        def take():
+            with build_lock(tmp_path):
+                got.set()
+
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        assert not got.is_set()
+        assert f"process {live.pid}" in capsys.readouterr().err
+    finally:
+        live.kill()
+        live.wait()
+    assert got.wait(10)  # the holder died: the waiter takes over
+    thread.join(10)
