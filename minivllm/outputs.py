@@ -200,6 +200,11 @@ class StepStats:
             ``SpecDecodingStats``: requests that verified drafts this step,
             drafts verified, drafts accepted, and per draft position ``j``
             how many requests accepted draft ``j`` (all 0 / empty without it).
+        step_seconds: the step's wall time, in the engine (``time.perf_counter``).
+        forward_seconds: of it, the time spent sending the step to the executor
+            and waiting for its logits: the model's forward (every rank's). The
+            rest (``step_seconds - forward_seconds``) is host work: scheduling,
+            preparing inputs, sampling, detokenizing (``bench latency``'s host ms).
     """
 
     step: int
@@ -217,6 +222,8 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
 
     @property
     def draft_acceptance_rate(self) -> float | None:

@@ -16,6 +16,30 @@ def test_time_batch_counts_one_step_per_later_token(tiny_model_dir):
     assert len(t.decode_steps_s) == 6
     assert 0 < t.ttft_s <= t.total_s
     assert t.total_s == pytest.approx(t.ttft_s + t.decode_s)
+    # Host time per decode step, engine-timed: positive and below the step's wall time.
+    assert len(t.host_steps_s) == 6
+    assert all(0 < h < s for h, s in zip(t.host_steps_s, t.decode_steps_s))
+
+
+def test_step_stats_time_the_step_and_its_forward(tiny_model_dir):
+    from minivllm import SamplingParams
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        _, stats = engine.step_with_stats()
+        assert 0 < stats.forward_seconds < stats.step_seconds
+
+
+def test_busy_core_runs_a_process_and_stops_it():
+    from minivllm.bench.harness import busy_core
+
+    with busy_core() as proc:
+        assert proc.poll() is None  # running
+    assert proc.poll() is not None  # stopped on the way out
+    with busy_core(False) as none:
+        assert none is None
 
 
 def test_kernel_time_is_at_most_the_profiled_step(tiny_model_dir):

@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -125,3 +128,25 @@ def describe_machine(info: dict | None = None) -> str:
     info = machine() if info is None else info
     return (f"{info['cpu']} ({' '.join(info['flags']) or 'no SIMD flags'}), "
             f"{info['cores']} cores, load average {info['load_average'][0]:.2f}")
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool = True):
+    """Keep one core busy with another process (a busy loop) for the ``with`` block.
+
+    A laptop is never idle: a browser tab or a compile holds a core. ``bench
+    latency --busy-core`` and ``bench throughput --busy-core`` measure under
+    this load; the process is started here and killed on the way out, whatever
+    happens.
+    """
+    if not enabled:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)  # let it reach the scheduler's steady state
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

@@ -26,8 +26,10 @@ full or nothing new could be sent, so every stage has work.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +125,7 @@ class LLMEngine:
         self.in_flight: deque[_InFlight] = deque()
         self._ids = itertools.count()
         self._step_index = itertools.count()
+        self._forward_s = 0.0  # this step's time in the executor (StepStats.forward_seconds)
         logger.info(
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
             "(max_model_len %d); backends %s",
@@ -270,6 +273,7 @@ class LLMEngine:
         nothing new was sent (see the module docstring).
         """
         step = next(self._step_index)
+        start, self._forward_s = time.perf_counter(), 0.0
         outputs: list[RequestOutput] = []
         spec_stats = SpecStats()
         so = None
@@ -293,7 +297,9 @@ class LLMEngine:
             outputs += more
         if self.groups:  # the members' outputs become their groups' outputs
             outputs = self.groups.merge_outputs(outputs)
-        return outputs, self._stats(step, so, outputs, spec_stats)
+        stats = self._stats(step, so, outputs, spec_stats)
+        return outputs, dataclasses.replace(stats, step_seconds=time.perf_counter() - start,
+                                            forward_seconds=self._forward_s)
 
     def _send(self, so: SchedulerOutput) -> list[RequestOutput]:
         """Build the step's batch and send it to the executor; outputs of requests that failed.
@@ -312,8 +318,10 @@ class LLMEngine:
                     outputs.append(self._fail(live, e))
             rows, copies = self._block_changes(so)
             step_input = StepInput.from_scheduler_output(so, failed, rows, copies)
+        sent = time.perf_counter()
         with op_range("forward"):
             pending = self.executor.execute_model(step_input)
+        self._forward_s += time.perf_counter() - sent
         if step_input.num_tokens:  # else only block-table changes: nothing to sample
             sampling = tuple(live for live, r in zip(so.scheduled_requests, so.scheduled)
                              if r.samples and r.request_id not in failed)
@@ -343,9 +351,11 @@ class LLMEngine:
         fatal: it raises out of the step, and nothing in flight comes back.
         """
         item = self.in_flight[0]
+        waited = time.perf_counter()
         try:
             with op_range("forward"):
                 logits = item.pending.result()
+            self._forward_s += time.perf_counter() - waited
         except BaseException:
             self.in_flight.clear()  # the pipeline is broken: nothing in it will come back
             raise
