@@ -333,7 +333,9 @@ def compare(args, model_dir: Path) -> int:
     lines = [f"minivllm vs llama.cpp's batched engine: {args.model}, {args.prompt_len} prompt "
              f"+ {args.gen_len} generated tokens per sequence, {args.threads} threads; load "
              f"average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
-             f"{describe_machine()}",
+             f"{describe_machine()}"
+             + ("; one core kept busy by another process (--busy-core)"
+                if getattr(args, "busy_core", False) else ""),
              f"{'engine':<22}{f'B={b1} total':>12}{f'B={b1} decode':>13}{f'B={bmax} total':>13}"
              f"{'prefill' + str(args.prefill_len):>13}{'tg128':>8}"]
 

@@ -212,7 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", default="results/bench_throughput.json")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--busy-core", action="store_true",
+                   help="measure (both engines, with --compare) while another process keeps "
+                        "one core busy, started and stopped here: a laptop is never idle")
     args = p.parse_args(argv)
+    from minivllm.bench.harness import busy_core
+
+    with busy_core(args.busy_core):
+        return _run(args)
+
+
+def _run(args) -> int:
+    """The measurements of :func:`main` (under ``--busy-core``'s load, if asked)."""
 
     from minivllm.engine.llm_engine import resolve_device, resolve_dtype
     from minivllm.model.loader import resolve_model_path
@@ -267,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, out.with_suffix(".png"))
 
     m = result["minivllm"]
+    load = ", one core kept busy by another process" if args.busy_core else ""
     print(f"\nminivllm bench throughput: {args.num_requests} requests, {n_in} prompt + "
-          f"{mv['output_tokens']} output tokens, {result['dtype']} on {result['machine']}")
+          f"{mv['output_tokens']} output tokens, {result['dtype']} on {result['machine']}{load}")
     print(f"{'engine':<14}{'seconds':>9}{'output tok/s':>14}{'total tok/s':>13}")
     print(f"{'minivllm':<14}{m['elapsed_s']:>9.1f}{m['output_tok_s']:>14.1f}{m['total_tok_s']:>13.1f}")
     if "hf" in result:
