@@ -217,7 +217,7 @@ def test_scheduler_state_machine_with_drafts():
                 assert r.num_computed_tokens + n <= held  # slots for every scheduled token
                 if r.num_computed_tokens + n - len(drafts) == r.num_tokens:
                     accepted = rng.randint(0, len(drafts))
-                    sampled[r.request_id] = drafts[:accepted] + [rng.randrange(50)]
+                    sampled[r.request_id] = [*drafts[:accepted], rng.randrange(50)]
             sched.update_from_output(out, sampled)
             for r in sched.running:
                 assert r.num_computed_tokens <= r.num_tokens

@@ -29,16 +29,17 @@ against the base model, through ``LLM(..., enable_lora=True)``) is
 from __future__ import annotations
 
 import argparse
+from types import MappingProxyType
 
 import torch
 
 #: SmolLM2-135M: fused projection -> (in features, output slices).
-PROJECTIONS = {
+PROJECTIONS = MappingProxyType({
     "qkv_proj": (576, (576, 192, 192)),
     "o_proj": (576, (576,)),
     "gate_up_proj": (576, (1536, 1536)),
     "down_proj": (1536, (576,)),
-}
+})
 MAX_LORAS = 8
 
 

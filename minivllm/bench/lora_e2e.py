@@ -21,7 +21,7 @@ import torch
 
 from minivllm.lora.models import PACKED_MODULES_MAPPING, module_shapes
 
-MODULES = [m for modules in PACKED_MODULES_MAPPING.values() for m in modules]
+MODULES = tuple(m for modules in PACKED_MODULES_MAPPING.values() for m in modules)
 
 
 def write_random_adapter(path: Path, hf_config, rank: int, seed: int) -> Path:

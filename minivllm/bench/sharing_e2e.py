@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
 
-PAPER = {"parallel": "6.1-9.8%", "beam": "37.6-55.2%"}
+PAPER = MappingProxyType({"parallel": "6.1-9.8%", "beam": "37.6-55.2%"})
 
 
 @dataclass(frozen=True)

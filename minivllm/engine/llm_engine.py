@@ -112,9 +112,9 @@ class LLMEngine:
                                    0 if spec is None else spec.num_speculative_tokens)
         self.speculator = None if spec is None else Speculator(
             spec, make_proposer(spec, self.components, self.executor), max_model_len)
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
-                                              self.eos_token_id, self.sampler)
+                                              eos_token_id, self.sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Parallel sampling (n > 1) and beam search: requests that share blocks by fork.
         self.groups = SequenceGroups(self.scheduler, self.sampler, self.output_processor,
@@ -132,6 +132,15 @@ class LLMEngine:
             num_blocks, config.block_size, num_blocks * config.block_size,
             max_model_len, self.components.describe(),
         )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS id new requests stop at (the tokenizer's; kept by the input processor)."""
+        return self.input_processor.eos_token_id
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int | None) -> None:
+        self.input_processor.eos_token_id = value
 
     # -- requests -------------------------------------------------------------
 

@@ -28,11 +28,12 @@ after the forward.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-PROJECTIONS = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
+PROJECTIONS = MappingProxyType({"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")})
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 
 

@@ -21,25 +21,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 #: The projections an adapter may target, with the sub-module of a decoder layer holding each.
-SUPPORTED_MODULES: dict[str, str] = {
+SUPPORTED_MODULES: Mapping[str, str] = MappingProxyType({
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-}
+})
 
 #: The model's fused projection -> the checkpoint modules stacked on its output, in
 #: order (vLLM's ``packed_modules_mapping``). Each is one *output slice* of the
 #: fused output, and gets its own A and B.
-PACKED_MODULES_MAPPING: dict[str, tuple[str, ...]] = {
+PACKED_MODULES_MAPPING: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
-}
+})
 
 #: Column-parallel modules (output rows split across tensor-parallel ranks); the
 #: others (``o_proj``, ``down_proj``) are row-parallel (input columns split).

@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -47,7 +49,7 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 #: Options that change what the adapter computes and that minivllm does not implement:
 #: name -> (the value that means "off", what it is). Any other value is refused by name.
-UNSUPPORTED_OPTIONS: dict[str, tuple[Any, str]] = {
+UNSUPPORTED_OPTIONS: Mapping[str, tuple[Any, str]] = MappingProxyType({
     "use_dora": (False, "DoRA (weight-decomposed LoRA)"),
     "fan_in_fan_out": (False, "fan_in_fan_out (Conv1D-style transposed weights)"),
     "bias": ("none", "trained biases"),
@@ -64,7 +66,7 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Any, str]] = {
     "velora_config": (None, "VeLoRA"),
     "monteclora_config": (None, "MonteCLoRA"),
     "kasa_config": (None, "KaSA"),
-}
+})
 #: Options that only matter while training or initialising (or are bookkeeping): ignored.
 TRAINING_ONLY = frozenset({
     "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path",

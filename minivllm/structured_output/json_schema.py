@@ -45,6 +45,7 @@ optional fraction and an optional exponent.
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any
 
 from minivllm.structured_output.regex import escape
@@ -58,13 +59,13 @@ COMMA, COLON = ", ", ": "
 #: The nesting depth of the ref's ``json_object`` (see :func:`json_object_regex`).
 JSON_OBJECT_MAX_DEPTH = 3
 
-_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment"}
-_KEYWORDS = {
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment"})
+_KEYWORDS = MappingProxyType({
     "object": {"properties", "required", "additionalProperties"},
     "array": {"items", "minItems", "maxItems"},
     "string": {"minLength", "maxLength"},
     "number": set(), "integer": set(), "boolean": set(), "null": set(),
-}  # fmt: skip
+})  # fmt: skip
 
 
 def schema_to_regex(schema: Any) -> str:

@@ -37,6 +37,7 @@ as its UTF-8 bytes when it builds the automaton.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 #: The largest Unicode code point. Sets are complemented within [0, MAX_CODEPOINT]
 #: (surrogates included, as xgrammar's UTF-8 matching does).
@@ -49,8 +50,8 @@ WHITESPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x200
 DIGITS = ((0x30, 0x39),)
 WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
 
-_META = set("\\.[](){}*+?|^$")
-_CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+_META = frozenset("\\.[](){}*+?|^$")
+_CONTROL_ESCAPES = MappingProxyType({"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"})
 
 
 @dataclass(frozen=True)

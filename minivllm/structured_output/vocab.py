@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 
@@ -44,7 +45,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
+_BYTE_DECODER = MappingProxyType({ch: b for b, ch in _bytes_to_unicode().items()})
 
 
 @dataclass(frozen=True)

@@ -150,9 +150,9 @@ def json_schemas(max_depth: int = 2) -> st.SearchStrategy[dict]:
 
 #: Feature widths for the LoRA tests: small (the interpreter runs them) and mostly not
 #: powers of 2.
-LORA_FEATURES = [1, 5, 16, 24, 40, 57, 96]
+LORA_FEATURES = (1, 5, 16, 24, 40, 57, 96)
 #: Adapter ranks, 1 to 64 (the stack's ``max_rank``; each slot's own rank is at most it).
-LORA_RANKS = [1, 2, 3, 8, 13, 16, 32, 64]
+LORA_RANKS = (1, 2, 3, 8, 13, 16, 32, 64)
 
 
 @st.composite
