@@ -45,9 +45,9 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp",
-           "gemv.cpp", "quant.cpp", "layer_stack.cpp", "torch_bindings.cpp")  # fmt: skip
+           "gemv.cpp", "quant.cpp", "quant_w8a8.cpp", "layer_stack.cpp", "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
-HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h")
+HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h", "quant_w8a8_tiles.h")
 
 
 def _extension_name() -> str:
