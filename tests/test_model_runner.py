@@ -108,8 +108,8 @@ def test_fast_runner_gives_the_models_own_forward_on_smollm2(smollm2_dir):
 
 @needs_cpp
 @pytest.mark.parametrize("dtype,quantization", [
-    ("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4"),
-    ("bfloat16", "int8"), ("float32", "w8a8"), ("float32", "w4a8"), ("bfloat16", "w8a8"),
+    ("float32", None), ("bfloat16", None), ("float32", "w8a16"), ("float32", "w4a16"),
+    ("bfloat16", "w8a16"), ("float32", "w8a8"), ("float32", "w4a8"), ("bfloat16", "w8a8"),
     ("bfloat16", "w4a8"),
 ])
 def test_cpp_layer_stack_gives_the_models_own_bits_for_every_weight_kind(
