@@ -4,8 +4,8 @@ What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one pa
 
 1. The kernels are plain C++ over ``torch::Tensor`` in ``csrc/*.cpp``
    (attention, cache write, RMSNorm, SiLU-and-mul, RoPE, the small-M linear,
-   quantized matmuls, a decode step's whole layer stack; shared helpers in
-   ``csrc/ops.h``).
+   quantized matmuls, W8A8 integer dot products, a decode step's whole layer
+   stack; shared helpers in ``csrc/ops.h``).
 2. ``csrc/torch_bindings.cpp`` registers them with ``TORCH_LIBRARY(minivllm, m)``:
    a schema per op (``Tensor(a!)`` marks what it writes) and a CPU
    implementation. Registered ops are real torch operators: the profiler names

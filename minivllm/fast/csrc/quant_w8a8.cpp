@@ -229,10 +229,12 @@ std::vector<IsaEntry> available_isas() {
   if (__builtin_cpu_supports("avx2")) {
     out.push_back({"avx2", avx2::tiles<false>, avx2::tiles<true>, avx2::quantize_group});
     if (__builtin_cpu_supports("avxvnni")) {
-      out.push_back({"avxvnni", avxvnni::tiles<false>, avxvnni::tiles<true>, avxvnni::quantize_group});
+      out.push_back({"avxvnni", avxvnni::tiles<false>, avxvnni::tiles<true>,
+                     avxvnni::quantize_group});
     }
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
-      out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>, avx512vnni::quantize_group});
+      out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
+                     avx512vnni::quantize_group});
     }
   }
 #endif

@@ -41,9 +41,10 @@ inline int32_t quantize_group(const float* x, int8_t* q, float* scale) {
   // int32 -> int8; the packs interleave 128-bit halves, the permute puts them back in order
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
                                            _mm256_packs_epi32(r[2], r[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  const __m256i total =
+      _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
   __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
   t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
@@ -125,9 +126,13 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
       for (int64_t j = 0; j < nb; ++j) unpack_row4(w[j], p.k, unpacked.data() + j * p.k);
       for (int64_t j = 0; j < TILE; ++j) w[j] = unpacked.data() + std::min(j, nb - 1) * p.k;
     }
-    // The next tile's rows follow this tile's in memory: prefetched while row 0 of x runs.
-    const char* next = reinterpret_cast<const char*>(
-        p.w + std::min<int64_t>(n0 + TILE, p.n - 1) * p.row_bytes);
+    // The next tile's rows follow this tile's in memory, and so do its scales and minimums:
+    // prefetched while row 0 of x runs (a 4-bit row's scales and minimums are half as many
+    // bytes as its integers; read cold by transpose_scales_simd, they stalled the tile).
+    const int64_t next_row = std::min<int64_t>(n0 + TILE, p.n - 1);
+    const char* next = reinterpret_cast<const char*>(p.w + next_row * p.row_bytes);
+    const float* next_s = p.s + next_row * p.s_groups;
+    const float* next_m = INT4 ? p.mn + next_row * p.groups : nullptr;
     for (int64_t m = 0; m < p.m; ++m) {
       const int8_t* x = p.qx + m * p.k;
       const float* xs = p.xs + m * p.groups;
@@ -136,6 +141,12 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
         if (m == 0) {
           for (int64_t b = 0; b < TILE * GROUP_BYTES; b += 64) {
             _mm_prefetch(next + g * TILE * GROUP_BYTES + b, _MM_HINT_T0);
+          }
+          if (g < p.s_groups) {
+            _mm_prefetch(reinterpret_cast<const char*>(next_s + g * TILE), _MM_HINT_T0);
+          }
+          if constexpr (INT4) {
+            _mm_prefetch(reinterpret_cast<const char*>(next_m + g * TILE), _MM_HINT_T0);
           }
         }
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * GROUP));
