@@ -314,6 +314,21 @@ def test_quantization_values_name_the_scheme():
         EngineConfig(quantization="W8A8")
 
 
+def test_int8_activations_need_k_a_multiple_of_32(tiny_model_dir):
+    """qwen2's tiny model has hidden size 80: "w8a8" refuses it naming the layer; a bare
+    "int8" (the default scheme) keeps float activations on exactly those layers."""
+    from minivllm.model.loader import load_model
+    from minivllm.model.quantization import quantized_layers
+
+    path = tiny_model_dir("qwen2")
+    with pytest.raises(ValueError, match=r"quantization='w8a8': layer .* K = 80 .* 32"):
+        load_model(path, quantization="w8a8")
+    model, _, _ = load_model(path, quantization="int8")
+    for name, layer in [*quantized_layers(model), ("lm_head", model.lm_head)]:
+        k = layer.weight.shape[-1]
+        assert layer.weight.activations == ("int8" if k % 32 == 0 else "float"), (name, k)
+
+
 def test_smollm2_int8_activations_cost_under_one_percent(smollm2_dir):
     """The rule that made int8 activations the default (``DEFAULT_ACTIVATIONS``): the A8
     scheme's perplexity within 1% of the A16 one's, for each weight format (float32, the

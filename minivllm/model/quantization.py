@@ -19,7 +19,9 @@ weights only (activations float, as llama.cpp's and vLLM's weight-only
 kernels); ``"w8a8"`` / ``"w4a8"`` / ``"gguf-a8"`` quantize the activations too,
 per token and group of 32, and multiply with integer dot products (llama.cpp's
 ``Q8_0 x Q8_0`` / ``Q4_1 x Q8_1``). A bare ``"int8"``, ``"int4"`` or ``"gguf"``
-takes :data:`DEFAULT_ACTIVATIONS` (docs/quantization.md says why). The
+takes :data:`DEFAULT_ACTIVATIONS` (docs/quantization.md says why), except
+that int8 activations need ``K`` a multiple of 32: a bare ``"int8"`` leaves a
+layer whose ``K`` is not with float activations, where ``"w8a8"`` refuses it. The
 choice is recorded on every :class:`QuantizedWeight` (``activations``), so
 the matmul and the fast model runner read it from the weight.
 
@@ -138,11 +140,15 @@ def quantize_model(model: nn.Module, method: str, ops: ModuleType,
         layers.append(("lm_head", head))
     for name, layer in layers:
         w = layer.weight.data  # (..., N, K): this rank's (or every simulated rank's) weight
-        _check_k(method, name, w.shape[-1], INT4_GROUP_SIZE if fmt == "int4" else 1)
-        _check_k(method, name, w.shape[-1], ACT_GROUP_SIZE if activations == "int8" else 1)
+        k = w.shape[-1]
+        _check_k(method, name, k, INT4_GROUP_SIZE if fmt == "int4" else 1)
+        acts = activations
+        if acts == "int8" and k % ACT_GROUP_SIZE and method not in SCHEMES:
+            acts = "float"  # a bare "int8" on a layer whose K no group of 32 divides: W8A16
+        _check_k(method, name, k, ACT_GROUP_SIZE if acts == "int8" else 1)
         q = ops.quantize(w, LM_HEAD_METHOD[fmt] if layer is head else fmt)
         _set_weight(layer, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
-                                           q.group_size, ops, activations))
+                                           q.group_size, ops, acts))
     return model
 
 
