@@ -237,7 +237,7 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # W8A16 kernel first widens every 8 weights to float (load, sign-extend, convert) and
 # then runs its FMAs. At batch 64 every weight byte read serves 64 rows of
 # activations, 128 flops a byte, and the step is bound by arithmetic instead: there
-# the W8A8 kernels run 1.3x (int8 weights) to 1.6-1.9x (4-bit) faster than W8A16 on
+# the A8 kernels run 1.2-1.5x (int8 weights) and 1.6-1.9x (4-bit) faster than the A16 ones on
 # this kind of CPU (``python -m minivllm.bench quant_kernels --w8a8``; the maths and
 # the kernels are in :doc:`/quantization`, "W8A8"). That is why llama.cpp quantizes the
 # activations of every quantized matmul, and why minivllm makes int8 activations the

@@ -67,7 +67,7 @@ SCHEMES = MappingProxyType({
 #: (issue 25): the faster scheme wherever its perplexity is within 1% of the other's. On
 #: SmolLM2 (docs/quantization.md, "W8A8") int8 activations cost +0.49% (int8 weights),
 #: -0.12% (int4) and -0.11% (GGUF) against float activations in float32, and their
-#: kernels are 1.3-1.8x faster at 64 rows and no slower at one.
+#: kernels are 1.2-1.9x faster at 64 rows and level at one.
 DEFAULT_ACTIVATIONS = MappingProxyType({"int8": "int8", "int4": "int8", "gguf": "int8"})
 #: Every value ``quantization=`` accepts (None: the float weights).
 QUANTIZATION_METHODS = (*WEIGHT_FORMATS, *SCHEMES)
