@@ -1,4 +1,5 @@
-"""``QuantizedWeight``: how a quantized weight is stored, shared by every layer that uses one.
+"""``QuantizedWeight``: how a quantized weight is stored, shared by every layer that uses one
+(and ``QuantizedActivations``, what a W8A8 matmul multiplies it by).
 
 A neutral module: the ``quantization`` component's twins make these
 (:mod:`minivllm.ref.quantization` explains the formats and the formulas), the
@@ -19,6 +20,13 @@ import torch
 METHODS = ("int8", "int4")
 #: Weights per group of the 4-bit format (llama.cpp's ``QK4_1``).
 INT4_GROUP_SIZE = 32
+#: What the activations a quantized weight multiplies are: ``"float"`` (vLLM's W8A16 /
+#: W4A16: only the weights are quantized) or ``"int8"`` (W8A8 / W4A8: the activations
+#: are quantized too, per token and group of :data:`ACT_GROUP_SIZE`, and the matmul is
+#: integer dot products; see :mod:`minivllm.ref.quantization`).
+ACTIVATIONS = ("float", "int8")
+#: Input features per activation scale with ``activations="int8"`` (llama.cpp's ``QK8_0``).
+ACT_GROUP_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,9 @@ class QuantizedWeight:
         group_size: weights per scale along ``K``.
         ops: the ``quantization`` component whose ``quantized_linear`` runs
             the matmul (resolved once, when the model is quantized).
+        activations: ``"float"`` (W8A16 / W4A16, the default) or ``"int8"``
+            (W8A8 / W4A8: ``quantized_linear`` quantizes ``x`` per token and group
+            of 32 and multiplies integers; needs ``K`` and the groups multiples of 32).
 
     Leading dimensions are the simulated ranks of :mod:`minivllm.ref.linear`;
     ``weight[rank]`` is one rank's weight, as for a float weight.
@@ -45,6 +56,22 @@ class QuantizedWeight:
     mins: torch.Tensor | None
     group_size: int
     ops: ModuleType | None = None
+    activations: str = "float"
+
+    def __post_init__(self) -> None:
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, "
+                             f"got {self.activations!r}")
+        if self.activations == "int8" and self.group_size % ACT_GROUP_SIZE:
+            raise ValueError(f"activations='int8' needs the weight's groups (and K) to be "
+                             f"multiples of {ACT_GROUP_SIZE}, got group_size={self.group_size} "
+                             f"(K = {self.shape[-1]})")
+
+    @property
+    def scheme(self) -> str:
+        """vLLM's name for what is quantized: ``"W8A16"``, ``"W4A16"``, ``"W8A8"`` or ``"W4A8"``."""
+        bits = 8 if self.method == "int8" else 4
+        return f"W{bits}A{8 if self.activations == 'int8' else 16}"
 
     @property
     def shape(self) -> torch.Size:
@@ -61,3 +88,22 @@ class QuantizedWeight:
     def __getitem__(self, index: int) -> QuantizedWeight:
         mins = None if self.mins is None else self.mins[index]
         return replace(self, qweight=self.qweight[index], scales=self.scales[index], mins=mins)
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """Activations quantized per token and group of 32 input features (llama.cpp's ``Q8_1``).
+
+    ``x (M, K) ~ scales * q`` group by group. Made by ``quantize_activations``
+    of either ``quantization`` twin (:mod:`minivllm.ref.quantization` has the formula).
+
+    Args:
+        q: int8 ``(M, K)``, in [-127, 127].
+        scales: float32 ``(M, K // 32)``: ``s_x = max |x| / 127`` of each group.
+        sums: float32 ``(M, K // 32)``: ``s_x * sum(q)`` of each group, the term a
+            4-bit weight's minimum multiplies (llama.cpp's ``Q8_1`` keeps it too).
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    sums: torch.Tensor

@@ -108,13 +108,15 @@ def test_fast_runner_gives_the_models_own_forward_on_smollm2(smollm2_dir):
 
 @needs_cpp
 @pytest.mark.parametrize("dtype,quantization", [
-    ("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4"),
-    ("bfloat16", "int8"),
+    ("float32", None), ("bfloat16", None), ("float32", "w8a16"), ("float32", "w4a16"),
+    ("bfloat16", "w8a16"), ("float32", "w8a8"), ("float32", "w4a8"), ("bfloat16", "w8a8"),
+    ("bfloat16", "w4a8"),
 ])
 def test_cpp_layer_stack_gives_the_models_own_bits_for_every_weight_kind(
         tiny_model_dir, monkeypatch, dtype, quantization):
-    """Float and quantized projections: a projection of the wrong kind, a skipped norm or
-    the rounding of a quantized output to bf16 done differently would show."""
+    """Float and quantized projections (W8A16, W4A16, W8A8, W4A8): a projection of the
+    wrong kind, a skipped norm, activations quantized differently (or not at all) or the
+    rounding of a quantized output to bf16 done differently would show."""
     path = str(tiny_model_dir("llama", num_hidden_layers=3))
     kw = dict(backend="fast", dtype=dtype, device="cpu", max_num_batched_tokens=32,
               max_num_seqs=4, block_size=4, quantization=quantization)

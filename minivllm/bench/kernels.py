@@ -314,9 +314,10 @@ def run_kernels(device: str, shapes: dict, fast_path: str = "minivllm.fast",
     ]  # fmt: skip
     if "gemv" in shapes and not package:  # the CPU's decode-shaped linear
         cases.append(("gemv", lambda: bench_gemv(read_bw, shapes)))
-        from minivllm.bench.quant_kernels import bench_quant_gemv
+        from minivllm.bench.quant_kernels import bench_quant_gemv, bench_w8a8
 
         cases.append(("quant_gemv", lambda: bench_quant_gemv(read_bw)))
+        cases.append(("w8a8", lambda: bench_w8a8()))
     errors = {}
     for name, case in cases:
         try:

@@ -7,6 +7,12 @@ is the fraction of positions where two models pick the same next token (on
 the same text, so one disagreement does not derail the rest).
 
 Used by ``tutorials/09_bytes_per_weight.py`` and ``tests/test_quantization.py``.
+``python -m minivllm.bench quality`` (:func:`compare`) measures each
+quantization scheme against the float model it was made from, in one run:
+perplexity, greedy agreement and the mean KL divergence of the next-token
+distributions (a steadier measure than the perplexity of a short text), for
+W8A16 / W8A8, W4A16 / W4A8 and the GGUF blocks with float or int8
+activations.
 """
 
 from __future__ import annotations
@@ -66,3 +72,66 @@ def perplexity(model: Any, token_ids: list[int]) -> tuple[float, torch.Tensor]:
 def greedy_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     """Fraction of positions where two argmax sequences agree."""
     return (a == b).float().mean().item()
+
+
+def mean_kl(base_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean over positions of ``KL(base || other)`` of the next-token distributions, nats."""
+    p = torch.log_softmax(base_logits.double(), dim=-1)
+    q = torch.log_softmax(logits.double(), dim=-1)
+    return (p.exp() * (p - q)).sum(dim=-1).mean().item()
+
+
+#: The schemes :func:`compare` measures by default (see minivllm.model.quantization.SCHEMES).
+SCHEMES = ("w8a16", "w8a8", "w4a16", "w4a8", "gguf-a16", "gguf-a8")
+
+
+def compare(model: str = "smollm2", quantizations=SCHEMES, dtype: torch.dtype = torch.float32,
+            backend: Any = None, text: str = TEXT) -> list[dict]:
+    """One row per ``quantization=`` value (``None`` first): perplexity of ``text``, its
+    change against the float model, greedy agreement with it, and the mean KL divergence."""
+    from minivllm import backend as _backend
+    from minivllm.model.loader import load_model
+
+    components = _backend.as_components(backend)
+    rows: list[dict] = []
+    base_logits = base_argmax = None
+    ids = None
+    for q in (None, *quantizations):
+        m, _, tok = load_model(model, dtype=dtype, quantization=q, components=components)
+        ids = tok.encode(text) if ids is None else ids
+        logits = logits_of(m, ids)[:-1]  # (T - 1, vocab)
+        del m
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+        argmax = logits.argmax(dim=-1)
+        if base_logits is None:
+            base_logits, base_argmax, base_ppl = logits, argmax, math.exp(nll.item())
+        ppl = math.exp(nll.item())
+        rows.append(dict(quantization=q or "float", perplexity=ppl, vs_float=ppl / base_ppl - 1,
+                         greedy_agreement=greedy_agreement(argmax, base_argmax),
+                         mean_kl=mean_kl(base_logits, logits), tokens=len(ids)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m minivllm.bench quality [--model M] [--dtype D] [--quantization Q ...]``."""
+    import argparse
+
+    from minivllm.bench.harness import describe_machine
+    from minivllm.dtype import DTYPES
+
+    p = argparse.ArgumentParser(prog="python -m minivllm.bench quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--quantization", nargs="+", default=list(SCHEMES))
+    p.add_argument("--backend", default=None, help="ref, fast or auto (default: the global)")
+    args = p.parse_args(argv)
+    rows = compare(args.model, args.quantization, DTYPES[args.dtype], args.backend)
+    print(f"{args.model}, {args.dtype}, the fixed text ({rows[0]['tokens']} tokens); "
+          f"{describe_machine()}")
+    print(f"{'quantization':<14}{'perplexity':>11}{'vs float':>10}{'greedy agr.':>13}"
+          f"{'mean KL':>10}")
+    for r in rows:
+        print(f"{r['quantization']:<14}{r['perplexity']:>11.3f}{r['vs_float']:>+10.2%}"
+              f"{r['greedy_agreement']:>13.1%}{r['mean_kl']:>10.4f}")
+    return 0

@@ -4,7 +4,7 @@ What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one pa
 
 1. The kernels are plain C++ over ``torch::Tensor`` in ``csrc/*.cpp``
    (attention, cache write and block copies, RMSNorm, SiLU-and-mul, RoPE, the small-M
-   linear, quantized matmuls, a decode step's whole layer stack, the structured-output
+   linear, quantized matmuls, W8A8 integer dot products, a decode step's whole layer stack, the structured-output
    token bitmask, the LoRA delta; shared helpers in
    ``csrc/ops.h``).
 2. ``csrc/torch_bindings.cpp`` registers them with ``TORCH_LIBRARY(minivllm, m)``:
@@ -49,11 +49,11 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "copy_blocks.cpp", "layernorm.cpp",
-           "activation.cpp", "rotary.cpp", "gemv.cpp", "quant.cpp", "layer_stack.cpp",
+           "activation.cpp", "rotary.cpp", "gemv.cpp", "quant.cpp", "quant_w8a8.cpp", "layer_stack.cpp",
            "token_bitmask.cpp", "lora.cpp",
            "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
-HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h")
+HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h", "quant_w8a8_tiles.h")
 
 
 def _extension_name() -> str:

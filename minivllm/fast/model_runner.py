@@ -35,7 +35,8 @@ the model declares only features the loop implements
 (:data:`SUPPORTED_FEATURES`), every kernel component is the C++ op (not the
 ref, not a student's package), and every projection is a weight the loop
 multiplies (float32 or bf16, or int8 / int4 :class:`~minivllm.quantized_weight.QuantizedWeight`
-of the fast quantization twin, GGUF blocks included) without a bias;
+of the fast quantization twin, GGUF blocks included, with float or int8
+activations: W8A16 / W4A16 / W8A8 / W4A8) without a bias;
 :meth:`LayerStack.can_run` checks per step that every projection is a GEMV at
 that many rows (a long prefill chunk runs the model's forward, whose GEMMs
 dominate it).
@@ -179,8 +180,8 @@ SUPPORTED_FEATURES = frozenset({
     "silu_gated_mlp", "final_norm", "tied_embeddings",
 })
 
-#: ``kinds`` values, as ``layer_stack.cpp`` reads them.
-FLOAT_WEIGHT, INT8_WEIGHT, INT4_WEIGHT = 0, 1, 2
+#: ``kinds`` values, as ``layer_stack.cpp`` reads them: float, W8A16, W4A16, W8A8, W4A8.
+FLOAT_WEIGHT, INT8_WEIGHT, INT4_WEIGHT, INT8_W8A8, INT4_W4A8 = 0, 1, 2, 3, 4
 
 #: (module attribute holding the component, function name) -> the C++ op it must be.
 _REQUIRED_OPS = MappingProxyType({
@@ -238,9 +239,10 @@ def _projection(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor]] | str:
     if isinstance(w, QuantizedWeight):
         if w.ops is not fast_quantization or w.qweight.dim() != 2 or w.method not in ("int8", "int4"):
             return "a quantized weight not served by the fast quantization twin"
+        int8_activations = w.activations == "int8"  # W8A8 / W4A8: integer dot products
         if w.method == "int8":
-            return INT8_WEIGHT, [w.qweight, w.scales, w.scales]
-        return INT4_WEIGHT, [w.qweight, w.scales, w.mins]
+            return INT8_W8A8 if int8_activations else INT8_WEIGHT, [w.qweight, w.scales, w.scales]
+        return INT4_W4A8 if int8_activations else INT4_WEIGHT, [w.qweight, w.scales, w.mins]
     if (w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous()
             or w.dtype not in (torch.float32, torch.bfloat16)):
         return f"a {w.dtype} {tuple(w.shape)} weight"
@@ -277,7 +279,11 @@ class LayerStack:
         self.v_caches = [v for _, v in kv_caches]
         limits = {FLOAT_WEIGHT: fast_linear.GEMV_MAX_ROWS,
                   INT8_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
-                  INT4_WEIGHT: fast_quantization.GEMV_MAX_ROWS}
+                  INT4_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
+                  # the W8A8 kernels serve any M; the stack saves host overhead, which
+                  # matters for decode-sized steps, so the same limit
+                  INT8_W8A8: fast_quantization.GEMV_MAX_ROWS,
+                  INT4_W4A8: fast_quantization.GEMV_MAX_ROWS}
         #: Most rows (tokens in a step) for which every projection is a GEMV.
         self.max_rows = min(limits[k] for k in kinds)
         ops = cpu_ops.ops()

@@ -19,8 +19,20 @@ What it does differently, and why that is faster:
   best: dequantize the weight once into ``x``'s dtype (the C++
   ``dequantize_*`` ops, one threaded pass) and call ``F.linear``.
 
-``GEMV_MAX_ROWS`` is the crossover. On CUDA (no Triton kernel for this yet)
-and where the C++ ops did not build, the ref's matmul runs.
+``GEMV_MAX_ROWS`` is the crossover.
+
+**W8A8** (a weight with ``activations="int8"``): ``quantize_activations``
+is one C++ pass per token (``quantize_activations_int8``), and
+``w8a8_matmul`` / ``w4a8_matmul`` (``w8a8_linear`` / ``w4a8_linear`` in
+``minivllm/fast/csrc/quant_w8a8.cpp``) multiply 32 int8 pairs per
+instruction (AVX2 ``vpmaddubsw``, or VNNI ``vpdpbusd`` where the CPU has it,
+chosen at run time) instead of widening every weight to float. They give the
+ref's bits exactly (the same int32 sums, the same float32 rescale in the same
+order), for every number of rows, prefill included: a W8A8 model is W8A8
+throughout.
+
+On CUDA (no Triton kernel for this yet) and where the C++ ops did not build,
+the ref's matmul runs.
 """
 
 from __future__ import annotations
@@ -29,9 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.fast import cpu_ops
-from minivllm.ref.quantization import (
-    INT4_GROUP_SIZE,  # noqa: F401  (re-exported: the same constants as the ref)
-    METHODS,  # noqa: F401
+from minivllm.ref import quantization as _ref
+from minivllm.ref.quantization import (  # noqa: F401  (re-exported: the ref's names)
+    ACT_GROUP_SIZE,
+    ACTIVATIONS,
+    INT4_GROUP_SIZE,
+    METHODS,
+    QuantizedActivations,
     QuantizedWeight,
     apply_linear,
     dequantize_int4,
@@ -50,6 +66,8 @@ __all__ = [
     "METHODS", "INT4_GROUP_SIZE", "QuantizedWeight", "quantize", "quantize_int8",
     "dequantize_int8", "int8_gemv", "quantize_int4", "pack_int4", "unpack_int4",
     "dequantize_int4", "dequantize", "quantized_linear", "apply_linear",
+    "ACTIVATIONS", "ACT_GROUP_SIZE", "QuantizedActivations", "quantize_activations",
+    "w8a8_matmul", "w4a8_matmul",
 ]
 
 #: Rows of ``x`` up to which the in-register kernels run; above it, dequantize + GEMM.
@@ -86,6 +104,13 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     if x.shape[-1] != k:
         raise ValueError(f"x must have K = {k} features, got shape {tuple(x.shape)}")
     rows = x.reshape(-1, k)  # (M, K)
+    if weight.activations == "int8":  # W8A8 / W4A8: integer dot products, any M
+        acts = quantize_activations(rows)
+        y = (w8a8_matmul(acts, weight.qweight, weight.scales) if weight.method == "int8"
+             else w4a8_matmul(acts, weight.qweight, weight.scales, weight.mins))
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
     if rows.shape[0] > GEMV_MAX_ROWS:  # prefill: the GEMM wins
         return F.linear(x, dequantize(weight, x.dtype), None if bias is None else bias.to(x.dtype))
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)  # (M, N)
@@ -96,3 +121,50 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------- W8A8
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors) and cpu_ops.available()
+
+
+def quantize_activations(x: torch.Tensor,
+                         group_size: int = ACT_GROUP_SIZE) -> QuantizedActivations:
+    """The ref's int8 activations (same bits), in one C++ pass per token on a CPU."""
+    if not _on_cpu(x) or x.dim() != 2 or group_size != ACT_GROUP_SIZE \
+            or x.shape[-1] % group_size:
+        return _ref.quantize_activations(x, group_size)
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, k // group_size, dtype=torch.float32)
+    sums = torch.empty_like(scales)
+    cpu_ops.ops().quantize_activations_int8(q, scales, sums, x)
+    return QuantizedActivations(q, scales, sums)
+
+
+def _native_w8a8(acts: QuantizedActivations, qweight: torch.Tensor, k: int) -> bool:
+    return (_on_cpu(acts.q, qweight) and qweight.dim() == 2 and acts.q.dim() == 2
+            and acts.q.shape[-1] == k and k % ACT_GROUP_SIZE == 0)
+
+
+def w8a8_matmul(acts: QuantizedActivations, qweight: torch.Tensor,
+                scales: torch.Tensor) -> torch.Tensor:
+    """The ref's ``(M, N)`` float32 result, bit for bit, from the C++ integer tiles."""
+    if not _native_w8a8(acts, qweight, qweight.shape[-1]):
+        return _ref.w8a8_matmul(acts, qweight, scales)
+    out = torch.empty(acts.q.shape[0], qweight.shape[0], dtype=torch.float32)
+    cpu_ops.ops().w8a8_linear(out, acts.q, acts.scales, qweight, scales.contiguous())
+    return out
+
+
+def w4a8_matmul(acts: QuantizedActivations, qweight: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor) -> torch.Tensor:
+    """The ref's ``(M, N)`` float32 result, bit for bit, from the C++ integer tiles."""
+    if not _native_w8a8(acts, qweight, 2 * qweight.shape[-1]):
+        return _ref.w4a8_matmul(acts, qweight, scales, mins)
+    out = torch.empty(acts.q.shape[0], qweight.shape[0], dtype=torch.float32)
+    cpu_ops.ops().w4a8_linear(out, acts.q, acts.scales, acts.sums, qweight,
+                              scales.contiguous(), mins.contiguous())
+    return out

@@ -173,7 +173,9 @@ def load_model(
         components: the engine's :class:`~minivllm.backend.Components` (None:
             the global backend spec, resolved once).
         quantization: None (float weights), ``"int8"`` / ``"int4"`` (quantize
-            at load) or ``"gguf"`` (a GGUF's quantized blocks as they are); see
+            at load) or ``"gguf"`` (a GGUF's quantized blocks as they are), or a
+            scheme naming the activations too (``"w8a8"``, ``"w8a16"``, ``"w4a8"``,
+            ``"w4a16"``, ``"gguf-a8"``, ``"gguf-a16"``); see
             :mod:`minivllm.model.quantization`.
         pp_rank, pp_size, pp_layer_partition: this process is pipeline stage
             ``pp_rank`` of ``pp_size`` and loads only that stage's weights (see
@@ -184,15 +186,16 @@ def load_model(
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    from minivllm.model.quantization import check_quantization
+    from minivllm.model.quantization import check_quantization, quantization_scheme
 
     check_quantization(quantization)
     path = resolve_model_path(model)
     # A registered model keeps the .gguf it was converted from beside it.
     gguf_path = path if path.suffix == ".gguf" else next(iter(sorted(path.glob("*.gguf"))), None)
-    if quantization == "gguf" and gguf_path is None:
-        raise ValueError(f"quantization='gguf' needs a .gguf model (or a registered name "
-                         f"converted from one); {path} has no .gguf file")
+    if quantization is not None and quantization_scheme(quantization)[0] == "gguf" \
+            and gguf_path is None:
+        raise ValueError(f"quantization={quantization!r} needs a .gguf model (or a registered "
+                         f"name converted from one); {path} has no .gguf file")
     if path.suffix == ".gguf":
         from minivllm.model.gguf_loader import load_gguf
 

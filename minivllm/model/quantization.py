@@ -13,6 +13,18 @@ the float weights are loaded:
   4-bit weights it ships with. The LM head takes ``output.weight``'s blocks,
   or ``token_embd.weight``'s when the two are tied (SmolLM2's is ``Q8_0``).
 
+Each value also says what the activations are, in vLLM's vocabulary
+(:data:`SCHEMES`): ``"w8a16"`` / ``"w4a16"`` / ``"gguf-a16"`` quantize the
+weights only (activations float, as llama.cpp's and vLLM's weight-only
+kernels); ``"w8a8"`` / ``"w4a8"`` / ``"gguf-a8"`` quantize the activations too,
+per token and group of 32, and multiply with integer dot products (llama.cpp's
+``Q8_0 x Q8_0`` / ``Q4_1 x Q8_1``). A bare ``"int8"``, ``"int4"`` or ``"gguf"``
+takes :data:`DEFAULT_ACTIVATIONS` (docs/quantization.md says why), except
+that int8 activations need ``K`` a multiple of 32: a bare ``"int8"`` leaves a
+layer whose ``K`` is not with float activations, where ``"w8a8"`` refuses it. The
+choice is recorded on every :class:`QuantizedWeight` (``activations``), so
+the matmul and the fast model runner read it from the weight.
+
 Why the LM head too: a batch-1 decode step reads every weight once, and
 SmolLM2's LM head (49152 x 576, tied to the embedding) is 113 MB in float32,
 more than all its quantized layers together; llama.cpp's files keep it 8-bit,
@@ -40,15 +52,30 @@ import numpy as np
 import torch
 from torch import nn
 
-from minivllm.quantized_weight import INT4_GROUP_SIZE, METHODS, QuantizedWeight
+from minivllm.quantized_weight import ACT_GROUP_SIZE, INT4_GROUP_SIZE, METHODS, QuantizedWeight
 
+#: The weight formats (``"gguf"``: the blocks a ``.gguf`` file stores).
+WEIGHT_FORMATS = (*METHODS, "gguf")
+#: ``quantization=`` values naming a scheme -> (weight format, activations), in vLLM's
+#: vocabulary: W8A16 / W4A16 quantize the weights only, W8A8 / W4A8 the activations too.
+SCHEMES = MappingProxyType({
+    "w8a16": ("int8", "float"), "w8a8": ("int8", "int8"),
+    "w4a16": ("int4", "float"), "w4a8": ("int4", "int8"),
+    "gguf-a16": ("gguf", "float"), "gguf-a8": ("gguf", "int8"),
+})
+#: The activations a bare weight format gets: int8 (W8A8 / W4A8) for all three. The rule
+#: (issue 25): the faster scheme wherever its perplexity is within 1% of the other's. On
+#: SmolLM2 (docs/quantization.md, "W8A8") int8 activations cost +0.49% (int8 weights),
+#: -0.12% (int4) and -0.11% (GGUF) against float activations in float32, and their
+#: kernels are 1.2-1.9x faster at 64 rows and level at one.
+DEFAULT_ACTIVATIONS = MappingProxyType({"int8": "int8", "int4": "int8", "gguf": "int8"})
 #: Every value ``quantization=`` accepts (None: the float weights).
-QUANTIZATION_METHODS = (*METHODS, "gguf")
+QUANTIZATION_METHODS = (*WEIGHT_FORMATS, *SCHEMES)
 #: The layers that are quantized (the names of the decoder layers' projections).
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 #: GGUF block types loaded without dequantizing -> our method.
 GGUF_NATIVE_TYPES = MappingProxyType({"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"})
-#: The LM head's format for each ``quantization=`` that quantizes float weights.
+#: The LM head's format for each weight format that quantizes float weights.
 LM_HEAD_METHOD = MappingProxyType({"int8": "int8", "int4": "int8"})
 
 
@@ -58,6 +85,15 @@ def check_quantization(value: str | None, model: str | Path | None = None) -> st
         raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, "
                          f"got {value!r}")  # fmt: skip
     return value
+
+
+def quantization_scheme(value: str) -> tuple[str, str]:
+    """``(weight format, activations)`` of a ``quantization=`` value, e.g. ``"w8a8"`` ->
+    ``("int8", "int8")``, ``"int4"`` -> ``("int4", DEFAULT_ACTIVATIONS["int4"])``."""
+    check_quantization(value)
+    if value in SCHEMES:
+        return SCHEMES[value]
+    return value, DEFAULT_ACTIVATIONS[value]
 
 
 def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -86,31 +122,40 @@ def quantize_model(model: nn.Module, method: str, ops: ModuleType,
 
     Args:
         model: a loaded model (float weights).
-        method: ``"int8"``, ``"int4"`` or ``"gguf"``.
+        method: a ``quantization=`` value (:data:`QUANTIZATION_METHODS`): the weight
+            format and the activations (:func:`quantization_scheme`).
         ops: the ``quantization`` component that will run the matmuls.
-        gguf_path: the ``.gguf`` file the model was loaded from (``"gguf"`` only).
+        gguf_path: the ``.gguf`` file the model was loaded from (GGUF schemes only).
     """
-    check_quantization(method)
-    if method == "gguf":
+    fmt, activations = quantization_scheme(method)
+    if fmt == "gguf":
         if gguf_path is None or Path(gguf_path).suffix != ".gguf":
-            raise ValueError(f"quantization='gguf' needs a .gguf model (or a registered name "
-                             f"converted from one), got {gguf_path!r}")  # fmt: skip
-        _load_gguf_blocks(model, ops, Path(gguf_path))
+            raise ValueError(f"quantization={method!r} needs a .gguf model (or a registered "
+                             f"name converted from one), got {gguf_path!r}")  # fmt: skip
+        _load_gguf_blocks(model, ops, Path(gguf_path), method, activations)
         return model
-    for name, layer in quantized_layers(model):
-        w = layer.weight.data  # (..., N, K): this rank's (or every simulated rank's) weight
-        if method == "int4" and w.shape[-1] % INT4_GROUP_SIZE:
-            raise ValueError(f"quantization='int4': layer {name} has K = {w.shape[-1]} input "
-                             f"features per rank, not a multiple of {INT4_GROUP_SIZE}")
-        q = ops.quantize(w, method)
-        _set_weight(layer, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
-                                           q.group_size, ops))
+    layers = quantized_layers(model)
     head = lm_head_of(model)
     if head is not None:  # (..., V_r, K): this rank's vocabulary rows
-        q = ops.quantize(head.weight.data, LM_HEAD_METHOD[method])
-        _set_weight(head, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
-                                          q.group_size, ops))
+        layers.append(("lm_head", head))
+    for name, layer in layers:
+        w = layer.weight.data  # (..., N, K): this rank's (or every simulated rank's) weight
+        k = w.shape[-1]
+        _check_k(method, name, k, INT4_GROUP_SIZE if fmt == "int4" else 1)
+        acts = activations
+        if acts == "int8" and k % ACT_GROUP_SIZE and method not in SCHEMES:
+            acts = "float"  # a bare "int8" on a layer whose K no group of 32 divides: W8A16
+        _check_k(method, name, k, ACT_GROUP_SIZE if acts == "int8" else 1)
+        q = ops.quantize(w, LM_HEAD_METHOD[fmt] if layer is head else fmt)
+        _set_weight(layer, QuantizedWeight(q.method, q.qweight, q.scales, q.mins,
+                                           q.group_size, ops, acts))
     return model
+
+
+def _check_k(method: str, name: str, k: int, multiple: int) -> None:
+    if k % multiple:
+        raise ValueError(f"quantization={method!r}: layer {name} has K = {k} input features "
+                         f"per rank, not a multiple of {multiple}")
 
 
 # --------------------------------------------------------------------------
@@ -162,7 +207,8 @@ def _gguf_sources(layer_name: str) -> list[tuple[str, Any]]:
     return [(f"blk.{index}.{name}.weight", shard) for name, shard in pieces]
 
 
-def _load_gguf_blocks(model: nn.Module, ops: ModuleType, path: Path) -> None:
+def _load_gguf_blocks(model: nn.Module, ops: ModuleType, path: Path, method: str,
+                      activations: str) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -176,14 +222,18 @@ def _load_gguf_blocks(model: nn.Module, ops: ModuleType, path: Path) -> None:
         types = {tensors[s].tensor_type.name for s, _ in sources}
         if len(types) != 1 or next(iter(types)) not in GGUF_NATIVE_TYPES:
             continue  # e.g. F32 or K-quant blocks: this layer keeps its dequantized weight
-        if layer.weight.shape[-1] % 32:
-            raise ValueError(f"quantization='gguf': layer {name} has K = {layer.weight.shape[-1]} "
-                             f"input features per rank; GGUF blocks need a multiple of 32")
-        _set_weight(layer, _gguf_weight(layer, sources, tensors, types.pop(), model.config, ops))
+        _check_k(method, name, layer.weight.shape[-1], 32)  # GGUF blocks: 32 weights
+        weight = _gguf_weight(layer, sources, tensors, types.pop(), model.config, ops, activations)
+        if activations == "int8" and weight.method == "int8" and weight.qweight.min() < -127:
+            # the integer kernels take |q| <= 127 (llama.cpp's quantizer never writes -128)
+            raise ValueError(f"quantization={method!r}: layer {name}'s Q8_0 blocks hold -128; "
+                             f"int8 activations need weights in [-127, 127]")
+        _set_weight(layer, weight)
 
 
 def _gguf_weight(layer: nn.Module, sources: list[tuple[str, Any]], tensors: dict,
-                 type_name: str, config: Any, ops: ModuleType) -> QuantizedWeight:
+                 type_name: str, config: Any, ops: ModuleType,
+                 activations: str = "float") -> QuantizedWeight:
     """This rank's :class:`QuantizedWeight` for ``layer`` from the GGUF ``sources``' blocks."""
     from minivllm.model.gguf_loader import unpermute_qk
 
@@ -205,6 +255,8 @@ def _gguf_weight(layer: nn.Module, sources: list[tuple[str, Any]], tensors: dict
     device = layer.weight.device
     q, scales = parts[0], parts[1][..., ::32].contiguous().to(device)
     if method == "int8":
-        return QuantizedWeight("int8", q.to(torch.int8).to(device), scales, None, 32, ops)
+        return QuantizedWeight("int8", q.to(torch.int8).to(device), scales, None, 32, ops,
+                               activations)
     mins = parts[2][..., ::32].contiguous().to(device)
-    return QuantizedWeight("int4", ops.pack_int4(q).to(device), scales, mins, INT4_GROUP_SIZE, ops)
+    return QuantizedWeight("int4", ops.pack_int4(q).to(device), scales, mins, INT4_GROUP_SIZE, ops,
+                           activations)

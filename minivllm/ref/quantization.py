@@ -40,6 +40,32 @@ holds weight ``j`` in its low nibble and weight ``j + 16`` in its high one, so
 the 16 low nibbles of a group are 16 consecutive weights. Bytes per weight:
 int8 per channel ~1, int4 ``0.5 + 8/32 = 0.75`` (llama.cpp keeps ``d`` and
 ``m`` in float16, 0.625; float32 keeps the range of tiny and huge weights).
+
+**W8A8: the activations in int8 too.** Everything above is vLLM's W8A16 (and
+W4A16): only the weights are quantized. In W8A8 (and W4A8) each token's
+activations are quantized as well, on the fly, exactly like a ``Q8_0`` weight:
+one scale per token and group of 32 input features (llama.cpp quantizes ``x``
+this way before its ``Q8_0 x Q8_0`` and ``Q4_1 x Q8_1`` dot products)::
+
+    s_x = max_k |x[m, k]| / 127            over the group
+    q_x = clamp(round(x * (1 / s_x)), -127, 127)   ties to even; s_x = 0: q_x = 0
+
+Then the matmul is integer dot products, one per group ``g`` of 32, rescaled::
+
+    I[m, n, g] = sum_{k in g} q_x[m, k] * q_w[n, k]                 int32, exact
+    y[m, n]    = sum_g (s_x[m, g] * s_w[n, g]) * I[m, n, g]          int8 weights
+    y[m, n]    = sum_g ((s_x d)[m, n, g] * I + m[n, g] * sum_x[m, g])   4-bit weights
+
+with ``sum_x = s_x * sum_{k in g} q_x`` (the minimum multiplies the sum of the
+dequantized group of ``x``; llama.cpp's ``Q8_1`` blocks store it). The float
+part is float32, group after group (``g = 0, 1, ...``), each product and sum
+rounded on its own, as written: the fast twin's SIMD kernels follow that order
+exactly, so the two are compared bit for bit. Why do it: a CPU multiplies 32
+int8 pairs in one instruction (AVX2 ``vpmaddubsw``, VNNI ``vpdpbusd``), far
+fewer instructions than widening each weight to float, which matters once
+the matmul is compute-bound (a batch-64 decode step), not at batch 1, where
+reading the weights is the cost. The price is the rounding of ``x``: up to
+``s_x / 2`` on every activation (docs/quantization.md measures it).
 """
 
 from __future__ import annotations
@@ -48,12 +74,21 @@ from types import ModuleType
 
 import torch
 
-from minivllm.quantized_weight import INT4_GROUP_SIZE, METHODS, QuantizedWeight
+from minivllm.quantized_weight import (
+    ACT_GROUP_SIZE,
+    ACTIVATIONS,
+    INT4_GROUP_SIZE,
+    METHODS,
+    QuantizedActivations,
+    QuantizedWeight,
+)
 
 __all__ = [
     "METHODS", "INT4_GROUP_SIZE", "QuantizedWeight", "quantize", "quantize_int8",
     "dequantize_int8", "int8_gemv", "quantize_int4", "pack_int4", "unpack_int4",
     "dequantize_int4", "dequantize", "quantized_linear", "apply_linear",
+    "ACTIVATIONS", "ACT_GROUP_SIZE", "QuantizedActivations", "quantize_activations",
+    "w8a8_matmul", "w4a8_matmul",
 ]
 
 def _this_module() -> ModuleType:
@@ -171,6 +206,96 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor,
 
 
 # --------------------------------------------------------------------------
+# W8A8: int8 activations, integer dot products
+# --------------------------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor,
+                         group_size: int = ACT_GROUP_SIZE) -> QuantizedActivations:
+    """``x (M, K) -> (q, s, sum)``, int8 per token and group of 32: ``x ~ s * q``.
+
+    The same formula as a ``Q8_0`` weight (:func:`quantize_int8` with
+    ``group_size=32``): ``s = max |x| / 127``, ``q = round(x * (1 / s))``, the
+    product rounded to float32 first, then to the nearest integer, ties to
+    even (llama.cpp's AVX2 path rounds the same way; its plain C loop rounds
+    ties away from zero). ``sum = s * sum(q)`` per group, for 4-bit weights.
+    """
+    if x.dim() != 2 or group_size != ACT_GROUP_SIZE or x.shape[-1] % group_size:
+        raise ValueError(f"x must be (M, K) with K a multiple of {ACT_GROUP_SIZE} and "
+                         f"group_size {ACT_GROUP_SIZE}, got shape {tuple(x.shape)} and "
+                         f"group_size {group_size}")
+    q = quantize_int8(x.float(), group_size)  # qweight (M, K) int8, scales (M, G)
+    m, k = x.shape
+    group_q = q.qweight.float().reshape(m, k // group_size, group_size)  # (M, G, 32)
+    sums = q.scales * group_q.sum(dim=-1)  # exact integer sums (|sum| <= 32 * 127)
+    return QuantizedActivations(q.qweight, q.scales, sums)
+
+
+def _group_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (M, 32) . b (N, 32)^T`` for small integers: an exact int32 ``(M, N)``."""
+    if a.device.type == "cpu":
+        return a.to(torch.int32) @ b.to(torch.int32).T
+    # torch has no int32 matmul on CUDA; float64 holds each of these sums exactly
+    return (a.double() @ b.double().T).to(torch.int32)
+
+
+def _check_acts(acts: QuantizedActivations, k: int) -> tuple[int, int]:
+    m, kx = acts.q.shape
+    if kx != k or k % ACT_GROUP_SIZE:
+        raise ValueError(f"activations must have K = {k} features, a multiple of "
+                         f"{ACT_GROUP_SIZE}; got shape {tuple(acts.q.shape)}")
+    return m, k // ACT_GROUP_SIZE
+
+
+def w8a8_matmul(acts: QuantizedActivations, qweight: torch.Tensor,
+                scales: torch.Tensor) -> torch.Tensor:
+    """``y = x W^T`` from int8 ``x`` and int8 ``W``: integer dot products, then a rescale.
+
+    ``acts`` (``(M, K)``, from :func:`quantize_activations`), ``qweight (N, K)``
+    int8 in [-127, 127], ``scales (N, G_w)``, ``K / G_w`` a multiple of 32 ->
+    ``(M, N)`` float32::
+
+        I[m, n, g] = sum_{k in g} q_x[m, k] q_w[n, k]       int32 (|I| <= 32 * 127^2)
+        y[m, n]    = sum_g (s_x[m, g] * s_w[n, g]) * I[m, n, g]
+
+    summed in float32 group after group, each product and sum rounded as written.
+    """
+    n, k = qweight.shape
+    m, groups = _check_acts(acts, k)
+    # one weight scale per activation group (a per-channel scale, repeated)
+    s_w = scales.float().repeat_interleave(groups // scales.shape[-1], dim=-1)  # (N, G)
+    y = torch.zeros(m, n, dtype=torch.float32, device=qweight.device)
+    for g in range(groups):
+        cols = slice(g * ACT_GROUP_SIZE, (g + 1) * ACT_GROUP_SIZE)
+        dots = _group_dot(acts.q[:, cols], qweight[:, cols])  # (M, N) int32
+        y = y + (acts.scales[:, g, None] * s_w[None, :, g]) * dots.float()  # exact: < 2^24
+    return y
+
+
+def w4a8_matmul(acts: QuantizedActivations, qweight: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor) -> torch.Tensor:
+    """``y = x W^T`` from int8 ``x`` and 4-bit ``W = d q + m``: llama.cpp's ``Q4_1 x Q8_1``.
+
+    ``qweight (N, K // 2)`` packed, ``scales``/``mins (N, K // 32)`` -> ``(M, N)`` float32::
+
+        y[m, n] = sum_g ((s_x[m, g] * d[n, g]) * I[m, n, g] + m[n, g] * sum_x[m, g])
+
+    ``I`` the int32 dot product of ``q_x`` and ``q`` (0..15) over group ``g``;
+    float32, group after group, each product and sum rounded as written.
+    """
+    q = unpack_int4(qweight)  # (N, K) in 0..15
+    n, k = q.shape
+    m, groups = _check_acts(acts, k)
+    y = torch.zeros(m, n, dtype=torch.float32, device=qweight.device)
+    for g in range(groups):
+        cols = slice(g * ACT_GROUP_SIZE, (g + 1) * ACT_GROUP_SIZE)
+        dots = _group_dot(acts.q[:, cols], q[:, cols])  # (M, N) int32
+        term = (acts.scales[:, g, None] * scales[None, :, g]) * dots.float()
+        y = y + (term + mins[None, :, g] * acts.sums[:, g, None])
+    return y
+
+
+# --------------------------------------------------------------------------
 # Either format
 # --------------------------------------------------------------------------
 
@@ -195,13 +320,20 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for a quantized 2-D ``W``: ``x (..., K) -> (..., N)`` in ``x``'s dtype.
 
-    The textbook way: int8 through :func:`int8_gemv`; int4 dequantized, then
-    an ordinary float32 matmul.
+    The textbook way: with float activations (W8A16 / W4A16), int8 through
+    :func:`int8_gemv` and int4 dequantized, then an ordinary float32 matmul;
+    with ``weight.activations == "int8"`` (W8A8 / W4A8), ``x`` quantized by
+    :func:`quantize_activations`, then :func:`w8a8_matmul` / :func:`w4a8_matmul`.
     """
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x must have K = {k} features, got shape {tuple(x.shape)}")
-    if weight.method == "int8":
+    if weight.activations == "int8":  # W8A8 / W4A8
+        acts = quantize_activations(x.reshape(-1, k))
+        y = (w8a8_matmul(acts, weight.qweight, weight.scales) if weight.method == "int8"
+             else w4a8_matmul(acts, weight.qweight, weight.scales, weight.mins))
+        y = y.reshape(*x.shape[:-1], n)
+    elif weight.method == "int8":
         y = int8_gemv(x.reshape(-1, k), weight.qweight, weight.scales).reshape(*x.shape[:-1], n)
     else:
         y = x.float() @ dequantize(weight).T  # (..., N)

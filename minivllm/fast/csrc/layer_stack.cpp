@@ -18,8 +18,9 @@
 //     residual += hidden ; hidden = rms_norm(residual)
 //     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
 //
-// A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4,
-// quant.cpp); the Python side (fast/model_runner.py) calls this only where every
+// A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4 weights,
+// quant.cpp; or W8A8 / W4A8, quant_w8a8.cpp: the activations quantized per token first);
+// the Python side (fast/model_runner.py) calls this only where every
 // projection would take one of those ops anyway (few rows, no bias, one rank),
 // and passes which kind each one is. Buffers for q/k/v, the attention output,
 // gate/up and the activation are allocated once per call and reused by every
@@ -37,6 +38,8 @@ namespace {
 constexpr int64_t FLOAT_WEIGHT = 0;  // weight: (N, K) float32 / bf16
 constexpr int64_t INT8_WEIGHT = 1;   // qweight int8 (N, K), scales (N, G)
 constexpr int64_t INT4_WEIGHT = 2;   // qweight uint8 (N, K / 2), scales and mins (N, K / 32)
+constexpr int64_t INT8_W8A8 = 3;     // INT8_WEIGHT's tensors; int8 activations
+constexpr int64_t INT4_W4A8 = 4;     // INT4_WEIGHT's tensors; int8 activations
 constexpr int64_t TENSORS_PER_PROJECTION = 3;  // weight or qweight, scales, mins
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;   // qkv, o, gate_up, down
 
@@ -48,13 +51,24 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
     linear_small_m(y, x, t[0], std::nullopt, false);
     return;
   }
-  TORCH_CHECK(kind == INT8_WEIGHT || kind == INT4_WEIGHT, "decode_layers: unknown kind ", kind);
+  TORCH_CHECK(kind >= INT8_WEIGHT && kind <= INT4_W4A8, "decode_layers: unknown kind ", kind);
   at::Tensor out =
       y.scalar_type() == at::kFloat ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
   if (kind == INT8_WEIGHT) {
     int8_linear(out, x, t[0], t[1], /*portable=*/false);
-  } else {
+  } else if (kind == INT4_WEIGHT) {
     int4_linear(out, x, t[0], t[1], t[2], /*portable=*/false);
+  } else {  // W8A8 / W4A8: x to int8 per token and group of 32, as quantize_activations does
+    const int64_t m = x.size(0), groups = x.size(1) / 32;
+    at::Tensor qx = at::empty(x.sizes(), x.options().dtype(at::kChar));
+    at::Tensor xs = at::empty({m, groups}, x.options().dtype(at::kFloat));
+    at::Tensor xsum = at::empty({m, groups}, x.options().dtype(at::kFloat));
+    quantize_activations_int8(qx, xs, xsum, x, "auto");
+    if (kind == INT8_W8A8) {
+      w8a8_linear(out, qx, xs, t[0], t[1], "auto");
+    } else {
+      w4a8_linear(out, qx, xs, xsum, t[0], t[1], t[2], "auto");
+    }
   }
   if (!out.is_same(y)) y.copy_(out);
 }

@@ -18,6 +18,9 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace minivllm {
 
@@ -129,6 +132,15 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
                  const at::Tensor& scales, bool portable);
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& scales, const at::Tensor& mins, bool portable);
+// W8A8 (quant_w8a8.cpp): int8 activations per token and group of 32, integer dot products.
+std::vector<std::string> w8a8_isas();
+void quantize_activations_int8(at::Tensor& q, at::Tensor& scales, at::Tensor& sums,
+                               const at::Tensor& x, std::string_view isa);
+void w8a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                 const at::Tensor& qweight, const at::Tensor& scales, std::string_view isa);
+void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                 const at::Tensor& x_sums, const at::Tensor& qweight, const at::Tensor& scales,
+                 const at::Tensor& mins, std::string_view isa);
 void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
 void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);

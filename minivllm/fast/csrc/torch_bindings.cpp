@@ -39,6 +39,17 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "int4_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor mins, "
       "bool portable=False) -> ()");
+  // W8A8 (quant_w8a8.cpp). isa: 'auto' (the best this CPU runs) or one of w8a8_isas().
+  m.def("w8a8_isas() -> str[]", &minivllm::w8a8_isas);
+  m.def(
+      "quantize_activations_int8(Tensor(a!) q, Tensor(b!) scales, Tensor(c!) sums, Tensor x, "
+      "str isa='auto') -> ()");
+  m.def(
+      "w8a8_linear(Tensor(a!) out, Tensor qx, Tensor x_scales, Tensor qweight, Tensor scales, "
+      "str isa='auto') -> ()");
+  m.def(
+      "w4a8_linear(Tensor(a!) out, Tensor qx, Tensor x_scales, Tensor x_sums, Tensor qweight, "
+      "Tensor scales, Tensor mins, str isa='auto') -> ()");
   m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
   m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
   // The whole decoder layer stack of a decode step (layer_stack.cpp).
@@ -67,6 +78,9 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("linear_small_m", &minivllm::linear_small_m);
   m.impl("int8_linear", &minivllm::int8_linear);
   m.impl("int4_linear", &minivllm::int4_linear);
+  m.impl("quantize_activations_int8", &minivllm::quantize_activations_int8);
+  m.impl("w8a8_linear", &minivllm::w8a8_linear);
+  m.impl("w4a8_linear", &minivllm::w4a8_linear);
   m.impl("dequantize_int8", &minivllm::dequantize_int8);
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
   m.impl("decode_layers", &minivllm::decode_layers);

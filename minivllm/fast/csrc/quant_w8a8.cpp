@@ -1,0 +1,361 @@
+// W8A8 on a CPU: int8 activations times int8 or 4-bit weights, with integer dot products.
+//
+// The maths is minivllm/ref/quantization.py's W8A8 section (read it first):
+//   activations, per token and group of 32 input features (llama.cpp's Q8_0 / Q8_1):
+//     s_x = max |x| / 127,  q_x = round(x * (1 / s_x)) (ties to even),  sum_x = s_x * sum(q_x)
+//   the matmul, per group g of 32 input features:
+//     I[m, n, g] = sum_{k in g} q_x[m, k] q_w[n, k]                          int32, exact
+//     int8 weights:  y[m, n] = sum_g (s_x[m, g] s_w[n, g]) I[m, n, g]
+//     4-bit weights: y[m, n] = sum_g ((s_x[m, g] d[n, g]) I[m, n, g] + m_w[n, g] sum_x[m, g])
+//   in float32, group after group (g = 0, 1, ...), every product and sum rounded as written.
+//
+// Why integers: widening weights to float (quant.cpp, W8A16) costs three instructions per 8
+// weights (load, sign-extend, convert) before the FMA, for every row of x. An integer dot
+// product multiplies 32 int8 pairs per instruction: AVX2's _mm256_maddubs_epi16 (u8 x s8,
+// pairs summed into int16) then _mm256_madd_epi16 by ones (into int32); AVX-VNNI and
+// AVX512-VNNI's vpdpbusd do both in one. At batch 1 the step is bound by reading the
+// weights, so that saves little; at batch 64 the arithmetic is the bottleneck, and there
+// it saves about half the instructions.
+//
+// - maddubs multiplies an unsigned byte by a signed one. For int8 weights, llama.cpp's trick:
+//   |x| is the unsigned operand and w * sign(x) the signed one (_mm256_sign_epi8), whose
+//   product is x * w. Neither may be -128 (quantize_activations and quantize_int8 clamp to
+//   +-127), and a pair's sum, at most 2 * 127 * 127 = 32258, fits in int16. 4-bit weights
+//   (0..15) are unsigned already: q_w is the unsigned operand, q_x the signed one.
+// - Exactly the ref's bits. The integer sums are exact in any order; the float part is done
+//   in the ref's order, one output column per lane: a tile of 8 weight rows turns its 8
+//   per-row int32 vectors into one vector of 8 group sums (sum_lanes8), and the rescale
+//   multiplies and adds lane by lane, 8 outputs at a time. The compiler must not fuse a
+//   multiply and an add into an FMA (one rounding instead of two; GCC does by default):
+//   this file is compiled with fp-contract off.
+// - A tile is 8 weight rows and every row of x. Its rows are read from memory once (the
+//   next tile is prefetched while the first row of x runs), and stay in L1 for the other
+//   rows of x. 4-bit rows are unpacked to a byte a weight once per tile; the tile's scales
+//   (and minimums) are transposed once, to a vector of 8 per group.
+// - The instruction set is chosen at run time from the CPU's features (w8a8_isas()):
+//   AVX512-VNNI, else AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
+//   The SIMD tiles are written once, in quant_w8a8_tiles.h, and compiled once per
+//   instruction set below, each in its own namespace.
+// - Threads take whole tiles (at::parallel_for), so each weight byte is read once.
+#include "ops.h"
+
+#include <string>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#include <immintrin.h>
+#define MINIVLLM_W8A8_X86 1
+#else
+#define MINIVLLM_W8A8_X86 0
+#endif
+
+// Every multiply and add below is rounded on its own, as the ref's torch ops are.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace minivllm {
+namespace {
+
+constexpr int64_t GROUP = 32;  // input features per activation scale
+constexpr int64_t TILE = 8;    // weight rows per tile (the lanes of a float vector)
+
+// One W8A8 matmul: what every tile reads and writes.
+struct W8A8Problem {
+  const int8_t* qx;      // (m, k) int8 activations
+  const float* xs;       // (m, groups) s_x
+  const float* xsum;     // (m, groups) sum_x (4-bit weights only)
+  int64_t m, k, groups;  // groups = k / 32
+  const uint8_t* w;      // the weight's integers: row r at w + r * row_bytes
+  int64_t row_bytes;     // k (int8) or k / 2 (4-bit)
+  const float* s;        // (n, s_groups) s_w or d
+  const float* mn;       // (n, groups) m_w (4-bit weights only)
+  int64_t s_groups;      // scales per weight row (int8: one per 32 * (groups / s_groups))
+  int64_t n;
+  float* y;              // (m, n) float32
+};
+
+// The weight rows of a tile: n0 .. n0 + nb - 1, padded to TILE by repeating the last (its
+// lanes are computed and dropped).
+inline int64_t tile_row(int64_t n0, int64_t nb, int64_t j) {
+  return n0 + std::min<int64_t>(j, nb - 1);
+}
+
+// The tile's scales, transposed: sw[g * TILE + j] is row j's scale for activation group g,
+// mw the same for the minimums. A weight with one scale a row (int8 per channel) stores
+// one vector (scale_stride() = 0: every group reads it).
+void transpose_scales(const W8A8Problem& p, int64_t n0, int64_t nb, float* sw, float* mw) {
+  const int64_t per_scale = p.groups / p.s_groups;  // activation groups per weight scale
+  for (int64_t j = 0; j < TILE; ++j) {
+    const int64_t r = tile_row(n0, nb, j);
+    const float* s = p.s + r * p.s_groups;
+    if (p.s_groups == 1) {
+      sw[j] = s[0];
+    } else {  // (no division by per_scale per element: an integer division costs ~40 cycles)
+      for (int64_t gw = 0; gw < p.s_groups; ++gw) {
+        for (int64_t c = 0; c < per_scale; ++c) sw[(gw * per_scale + c) * TILE + j] = s[gw];
+      }
+    }
+    if (mw != nullptr) {
+      for (int64_t g = 0; g < p.groups; ++g) mw[g * TILE + j] = p.mn[r * p.groups + g];
+    }
+  }
+}
+
+// Floats between one group's vector of transposed scales and the next.
+inline int64_t scale_stride(const W8A8Problem& p) { return p.s_groups == 1 ? 0 : TILE; }
+
+// A 4-bit row as one byte a weight, in order (byte j of a group holds weights j and j + 16).
+void unpack_row4(const uint8_t* src, int64_t k, uint8_t* dst) {
+  for (int64_t g = 0; g < k / GROUP; ++g) {
+    for (int64_t l = 0; l < GROUP / 2; ++l) {
+      const uint8_t b = src[g * GROUP / 2 + l];
+      dst[g * GROUP + l] = b & 15;
+      dst[g * GROUP + GROUP / 2 + l] = b >> 4;
+    }
+  }
+}
+
+// One group of 32 activations: q = round(x * (1 / s)), s = max |x| / 127; returns sum(q).
+// The portable loop; the SIMD one (quant_w8a8_tiles.h) gives the same bits.
+int32_t quantize_group_portable(const float* x, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t l = 0; l < GROUP; ++l) {
+    const float a = std::fabs(x[l]);
+    amax = a > amax ? a : amax;
+  }
+  const float s = amax / 127.f;
+  const float inv = s > 0.f ? 1.f / s : 0.f;  // an all-zero group: q = 0
+  int32_t total = 0;
+  for (int64_t l = 0; l < GROUP; ++l) {
+    float r = std::nearbyint(x[l] * inv);  // the default rounding mode: ties to even
+    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+    q[l] = static_cast<int8_t>(r);
+    total += static_cast<int32_t>(r);
+  }
+  *scale = s;
+  return total;
+}
+
+// ------------------------------------------------------------------ the portable loop
+// The ref's sums written out: an int32 dot product per group, then the rescale.
+template <bool INT4>
+void portable_tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
+  std::vector<uint8_t> row4(INT4 ? p.k : 0);
+  std::vector<float> sw(TILE * p.groups), mw(INT4 ? TILE * p.groups : 0);
+  const int64_t ss = scale_stride(p);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * TILE, nb = std::min<int64_t>(TILE, p.n - n0);
+    transpose_scales(p, n0, nb, sw.data(), INT4 ? mw.data() : nullptr);
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* row = p.w + (n0 + j) * p.row_bytes;
+      if constexpr (INT4) {
+        unpack_row4(row, p.k, row4.data());
+        row = row4.data();
+      }
+      for (int64_t m = 0; m < p.m; ++m) {
+        const int8_t* x = p.qx + m * p.k;
+        float acc = 0.f;
+        for (int64_t g = 0; g < p.groups; ++g) {
+          int32_t isum = 0;
+          for (int64_t i = g * GROUP; i < (g + 1) * GROUP; ++i) {
+            const int32_t w = INT4 ? static_cast<int32_t>(row[i])
+                                   : static_cast<int32_t>(static_cast<int8_t>(row[i]));
+            isum += static_cast<int32_t>(x[i]) * w;
+          }
+          float term = (p.xs[m * p.groups + g] * sw[g * ss + j]) * static_cast<float>(isum);
+          if constexpr (INT4) term = term + mw[g * TILE + j] * p.xsum[m * p.groups + g];
+          acc = acc + term;
+        }
+        p.y[m * p.n + n0 + j] = acc;
+      }
+    }
+  }
+}
+
+using TilesFn = void (*)(const W8A8Problem&, int64_t, int64_t);
+using QuantizeGroupFn = int32_t (*)(const float*, int8_t*, float*);
+
+// ------------------------------------------------------------------ the SIMD tiles
+#if MINIVLLM_W8A8_X86
+// dot_u8s8(a, b): 8 int32 lanes, lane i = sum of a[4i + c] * b[4i + c] (c < 4), a unsigned.
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2")
+inline __m256i dot_u8s8(__m256i a, __m256i b) {
+  // maddubs: 16 int16 sums of pairs; madd by ones: 8 int32 sums of 4.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+#include "quant_w8a8_tiles.h"
+#pragma GCC pop_options
+}  // namespace avx2
+
+namespace avxvnni {
+#pragma GCC push_options
+#pragma GCC target("avx2,avxvnni")
+inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (VEX): the same, in one
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+}
+#include "quant_w8a8_tiles.h"
+#pragma GCC pop_options
+}  // namespace avxvnni
+
+namespace avx512vnni {
+#pragma GCC push_options
+#pragma GCC target("avx2,avx512f,avx512vl,avx512vnni")
+inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (EVEX, 256-bit)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+}
+#include "quant_w8a8_tiles.h"
+#pragma GCC pop_options
+}  // namespace avx512vnni
+#endif
+
+// ------------------------------------------------------------------ choosing
+struct IsaEntry {
+  const char* name;
+  TilesFn int8_tiles, int4_tiles;
+  QuantizeGroupFn quantize_group;
+};
+
+// Every instruction set this CPU runs, worst first (the portable loop always).
+std::vector<IsaEntry> available_isas() {
+  std::vector<IsaEntry> out{{"portable", portable_tiles<false>, portable_tiles<true>,
+                                  quantize_group_portable}};
+#if MINIVLLM_W8A8_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) {
+    out.push_back({"avx2", avx2::tiles<false>, avx2::tiles<true>, avx2::quantize_group});
+    if (__builtin_cpu_supports("avxvnni")) {
+      out.push_back({"avxvnni", avxvnni::tiles<false>, avxvnni::tiles<true>,
+                     avxvnni::quantize_group});
+    }
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
+      out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
+                     avx512vnni::quantize_group});
+    }
+  }
+#endif
+  return out;
+}
+
+const std::vector<IsaEntry>& isas() {
+  static const std::vector<IsaEntry> table = available_isas();  // the CPU does not change
+  return table;
+}
+
+const IsaEntry& find_isa(std::string_view name) {
+  const auto& table = isas();
+  if (name == "auto") return table.back();
+  for (const IsaEntry& e : table) {
+    if (name == e.name) return e;
+  }
+  std::string have;
+  for (const IsaEntry& e : table) have += std::string(" ") + e.name;
+  TORCH_CHECK(false, "isa must be 'auto' or one this CPU runs:", have, "; got '",
+              std::string(name), "'");
+}
+
+void run(const W8A8Problem& p, TilesFn tiles) {
+  if (p.m == 0 || p.n == 0) return;
+  const int64_t count = (p.n + TILE - 1) / TILE;
+  at::parallel_for(0, count, grain_for(TILE * p.k * p.m),
+                   [&](int64_t t0, int64_t t1) { tiles(p, t0, t1); });
+}
+
+void check_activations(const at::Tensor& qx, const at::Tensor& xs, const at::Tensor* xsum) {
+  TORCH_CHECK(qx.dim() == 2 && qx.is_contiguous() && qx.scalar_type() == at::kChar &&
+                  qx.size(1) % GROUP == 0,
+              "qx: (M, K) int8, contiguous, K a multiple of 32");
+  for (const at::Tensor* t : {&xs, xsum}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == qx.size(0) && t->size(1) == qx.size(1) / GROUP &&
+                    t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "x_scales and x_sums: (M, K / 32) float32, contiguous");
+  }
+}
+
+void check_out(const at::Tensor& out, int64_t m, int64_t n) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.is_contiguous() &&
+                  out.scalar_type() == at::kFloat,
+              "out: (M, N) float32, contiguous");
+}
+
+}  // namespace
+
+std::vector<std::string> w8a8_isas() {
+  std::vector<std::string> names;
+  for (const IsaEntry& e : isas()) names.emplace_back(e.name);
+  return names;
+}
+
+void quantize_activations_int8(at::Tensor& q, at::Tensor& scales, at::Tensor& sums,
+                               const at::Tensor& x, std::string_view isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % GROUP == 0, "x: (M, K) with K a multiple of 32");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "q: (M, K) int8, contiguous");
+  for (const at::Tensor* t : {&scales, &sums}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == m && t->size(1) == groups &&
+                    t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "scales and sums: (M, K / 32) float32, contiguous");
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scales.data_ptr<float>();
+  float* sump = sums.data_ptr<float>();
+  const QuantizeGroupFn quantize_group = find_isa(isa).quantize_group;
+  at::parallel_for(0, m * groups, grain_for(GROUP), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t total = quantize_group(xp + i * GROUP, qp + i * GROUP, sp + i);
+      sump[i] = sp[i] * static_cast<float>(total);
+    }
+  });
+}
+
+void w8a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                 const at::Tensor& qweight, const at::Tensor& scales, std::string_view isa) {
+  check_activations(qx, x_scales, nullptr);
+  const int64_t m = qx.size(0), k = qx.size(1), groups = k / GROUP;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == k && qweight.is_contiguous() &&
+                  qweight.scalar_type() == at::kChar,
+              "qweight: (N, K) int8, contiguous, K = ", k);
+  const int64_t n = qweight.size(0);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
+                  groups % scales.size(1) == 0 && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat,
+              "scales: (N, G) float32, contiguous, groups of a multiple of 32");
+  check_out(out, m, n);
+  const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), nullptr, m, k, groups,
+                      reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), k,
+                      scales.data_ptr<float>(), nullptr, scales.size(1), n,
+                      out.data_ptr<float>()};
+  run(p, find_isa(isa).int8_tiles);
+}
+
+void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                 const at::Tensor& x_sums, const at::Tensor& qweight, const at::Tensor& scales,
+                 const at::Tensor& mins, std::string_view isa) {
+  check_activations(qx, x_scales, &x_sums);
+  const int64_t m = qx.size(0), k = qx.size(1), groups = k / GROUP;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) * 2 == k && qweight.is_contiguous() &&
+                  qweight.scalar_type() == at::kByte,
+              "qweight: (N, K / 2) uint8, contiguous, K = ", k);
+  const int64_t n = qweight.size(0);
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == groups &&
+                    t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "scales and mins: (N, K / 32) float32, contiguous");
+  }
+  check_out(out, m, n);
+  const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
+                      x_sums.data_ptr<float>(), m, k, groups, qweight.data_ptr<uint8_t>(), k / 2,
+                      scales.data_ptr<float>(), mins.data_ptr<float>(), groups, n,
+                      out.data_ptr<float>()};
+  run(p, find_isa(isa).int4_tiles);
+}
+
+}  // namespace minivllm
