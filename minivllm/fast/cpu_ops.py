@@ -47,7 +47,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp",
            "gemv.cpp", "quant.cpp", "layer_stack.cpp", "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
-HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h")
+HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h", "kv_cache.h")
 
 
 def _extension_name() -> str:
