@@ -325,6 +325,36 @@ def test_flash_decoding_merges_quantized_partitions(fmt):
     assert_close(out, dequantized_oracle(query, cache, seqs, slots, 0.25), torch.float32)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_one_key_returns_its_value_row_exactly(fmt):
+    """A one-token context: softmax over one key is 1, so the output is that key's value
+    row, dequantized: ``code * s`` exactly, for every finite code of the format (how a
+    kernel widens its codes shows here, subnormal e4m3 codes included)."""
+    impl = backend.get("attention")
+    dtype = FORMATS[fmt]
+    if dtype == torch.int8:
+        codes = torch.arange(-127, 128, dtype=torch.int8)
+    else:
+        raw = torch.arange(256, dtype=torch.uint8)
+        codes = raw[(raw & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    head_dim = 64
+    rows = math.ceil(codes.numel() / head_dim)
+    v_codes = torch.zeros(rows * head_dim, dtype=dtype)
+    v_codes[: codes.numel()] = codes
+    v_cache = v_codes.view(rows, 1, 1, head_dim)  # one block of one slot per sequence
+    k_cache = torch.zeros_like(v_cache)
+    k_scale = torch.ones(rows, 1, 1)
+    v_scale = torch.full((rows, 1, 1), 0.75)  # exact: a product the kernels must not round
+    md = AttentionMetadata.build(query_lens=[1] * rows, seq_lens=[1] * rows,
+                                 block_tables=torch.arange(rows, dtype=torch.int32)[:, None],
+                                 slot_mapping=torch.full((rows,), -1, dtype=torch.int64))
+    query = torch.randn(rows, 2, head_dim)  # GQA 2:1
+    out = impl.paged_attention(query, k_cache, v_cache, md, 0.125, k_scale=k_scale,
+                               v_scale=v_scale)
+    want = (v_codes.float() * 0.75).view(rows, 1, head_dim).expand(rows, 2, head_dim)
+    assert torch.equal(out, want)
+
+
 def test_a_quantized_cache_needs_its_scales():
     impl = backend.get("attention")
     writer = backend.get("cache_write")

@@ -30,10 +30,11 @@
 // - Items are spread over threads with at::parallel_for, one contiguous run
 //   of about equal work (keys x query vectors) per thread.
 // - A quantized cache (int8 / fp8 e4m3 codes, a float32 scale per token and KV
-//   head: kv_cache.h) is read as it is, 1 byte an element: each row is
-//   dequantized into an L1 buffer when it is used (x' = q * s, the ref's own
-//   values), never into a copy of the cache. Decode reads a quarter of float32's
-//   bytes (half of bf16's), plus the scales.
+//   head: kv_cache.h) is read as it is, 1 byte an element: each row's codes are
+//   widened into an L1 buffer when it is used, never into a copy of the cache, and
+//   the scales come out of the products: s_k (q . k) for a score, p s_v for the
+//   weight of a value row (one multiply per key instead of one per element).
+//   Decode reads a quarter of float32's bytes (half of bf16's), plus the scales.
 #include "attention_tile.h"
 #include "kv_cache.h"
 #include "ops.h"
@@ -157,6 +158,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     std::vector<float> q_buf(num_kv_heads * m_cap * head_dim), acc(q_buf.size());
     std::vector<float> row_max(num_kv_heads * m_cap), row_sum(row_max.size());
     std::vector<float> scores(m_cap * KEY_TILE), k_buf(head_dim);
+    float v_scales[KEY_TILE];  // a quantized tile's V scales (p s_v weighs each row)
     std::vector<float> v_buf(std::is_same_v<cache_t, float> ? 0 : KEY_TILE * head_dim);
     std::vector<int64_t> pos(m_cap);
     std::optional<tile::Scratch> tile_scratch;  // allocated by the first tiled item
@@ -244,18 +246,21 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
               }
             }
             const int64_t off = key_off[j] + h * c_sh;
-            float ks = 1.f, vs = 1.f;  // a quantized row's scales (a float cache has none)
-            if constexpr (is_quantized_v<cache_t>) {
-              ks = k_scale[key_slot[j] * num_kv_heads + h];
-              vs = v_scale[key_slot[j] * num_kv_heads + h];
-            }
             // V as float32: a float32 cache's rows in place, else one float32 copy of
-            // the tile's rows (widened, or dequantized: x' = q * s).
-            v_rows[j] = row_as_float(v_ptr + off, vs, v_buf.data() + j * head_dim, head_dim);
+            // the tile's rows (widened; a quantized row's codes, its scale kept aside).
+            v_rows[j] = row_as_float(v_ptr + off, v_buf.data() + j * head_dim, head_dim);
             // Scores: each key row is loaded once and dotted with every query vector.
-            const float* k = row_as_float(k_ptr + off, ks, k_buf.data(), head_dim);
-            for (int64_t m = 0; m < m_count; ++m) {
-              scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim);
+            const float* k = row_as_float(k_ptr + off, k_buf.data(), head_dim);
+            if constexpr (is_quantized_v<cache_t>) {  // s_k (q . codes)
+              const float ks = k_scale[key_slot[j] * num_kv_heads + h];
+              v_scales[j] = v_scale[key_slot[j] * num_kv_heads + h];
+              for (int64_t m = 0; m < m_count; ++m) {
+                scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim) * ks;
+              }
+            } else {
+              for (int64_t m = 0; m < m_count; ++m) {
+                scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim);
+              }
             }
           }
           // Online softmax: mask, then fold this tile's scores into the running max and sum.
@@ -274,6 +279,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
             for (int64_t j = 0; j < kt; ++j) {
               s[j] = j < visible ? fast_exp(s[j] - new_max) : 0.f;
               tile_sum += s[j];
+            }
+            if constexpr (is_quantized_v<cache_t>) {  // weigh each V row's codes by p s_v
+              for (int64_t j = 0; j < kt; ++j) s[j] *= v_scales[j];
             }
             sum_h[m] = sum_h[m] * alpha + tile_sum;
             max_h[m] = new_max;

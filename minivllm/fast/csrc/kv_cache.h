@@ -6,17 +6,18 @@
 //   write:  s = max|x| / QMAX  (127 for int8, 448 for e4m3),  q = round(x / s)
 //   read:   x' = q * s
 //
-// in float32, x / s a true division, ties to even, so the codes, the scales and
-// the dequantized rows here are the ref's bit for bit. The kernels never make a
-// dequantized copy of the cache: a row is widened (and scaled) into a small float32
-// buffer in L1 when it is used, so the cache is read in its own 1 byte an element.
+// in float32, x / s a true division, ties to even, so the codes and the scales
+// here are the ref's bit for bit, and so are the rows dequantize_row makes. The
+// kernels never make a dequantized copy of the cache: a row is widened into a small
+// float32 buffer in L1 when it is used, so the cache is read in its own 1 byte an
+// element, and decode takes the scale out of the dot products (one multiply per key,
+// not per element: s (q . k) for the score, p s for the value's weight).
 #pragma once
 
 #include "ops.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 
-#include <array>
 #include <type_traits>
 
 namespace minivllm {
@@ -31,43 +32,53 @@ constexpr bool is_quantized_v = std::is_same_v<cache_t, int8_t> || std::is_same_
 template <typename cache_t>
 constexpr float qmax_v = std::is_same_v<cache_t, int8_t> ? 127.f : 448.f;
 
-// Every e4m3 byte as a float32 (256 entries, 1 KiB: stays in L1). c10's conversion
-// decodes bit fields with branches per element; a table lookup is one load.
-inline const float* fp8_e4m3_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) {
-      t[i] = static_cast<float>(fp8_e4m3(static_cast<uint8_t>(i), fp8_e4m3::from_bits()));
-    }
-    return t;
-  }();
-  return table.data();
+// An e4m3 byte as the float32 it stands for, in integer and float arithmetic that
+// vectorises (c10's conversion branches per element; a 256-entry table is a gather
+// per element, which made fp8 decode slower than float32). |x|'s 7 bits moved into a
+// float's exponent and mantissa fields, the exponent rebiased (7 -> 127), for normal
+// codes; a subnormal code (exponent field 0) is m * 2^-9. The NaN codes (0x7F, 0xFF)
+// decode as +-480: the cache write never makes one.
+inline float fp8_e4m3_to_float(uint8_t byte) {
+  const uint32_t mag = byte & 0x7Fu;
+  const uint32_t bits = (mag << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &bits, sizeof(normal));
+  const float subnormal = static_cast<float>(static_cast<int32_t>(mag)) * 0.001953125f;
+  const float x = mag < 8 ? subnormal : normal;
+  return (byte & 0x80u) ? -x : x;
 }
 
-// dst[i] = row[i] as float32: a quantized row's codes times its scale (x' = q * s),
-// any other row widened (scale unused).
+// dst[i] = row[i] as float32: the codes of a quantized row (its scale not applied),
+// any other row widened.
 template <typename cache_t>
-inline void dequantize_row(const cache_t* __restrict row, float scale, float* __restrict dst,
-                           int64_t n) {
-  if constexpr (std::is_same_v<cache_t, int8_t>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(row[i]) * scale;
-  } else if constexpr (std::is_same_v<cache_t, fp8_e4m3>) {
-    const float* table = fp8_e4m3_table();
+inline void widen_row(const cache_t* __restrict row, float* __restrict dst, int64_t n) {
+  if constexpr (std::is_same_v<cache_t, fp8_e4m3>) {
     const uint8_t* bits = reinterpret_cast<const uint8_t*>(row);
-    for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]] * scale;
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_e4m3_to_float(bits[i]);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(row[i]);
   }
 }
 
-// A cached row as float32: a float32 cache's row itself, read in place; any other
-// dequantized (or widened) into buf.
+// dst[i] = row[i] as float32: a quantized row's codes times its scale (x' = q * s,
+// the ref's value bit for bit), any other row widened (scale unused).
 template <typename cache_t>
-inline const float* row_as_float(const cache_t* row, float scale, float* buf, int64_t n) {
+inline void dequantize_row(const cache_t* __restrict row, float scale, float* __restrict dst,
+                           int64_t n) {
+  widen_row(row, dst, n);
+  if constexpr (is_quantized_v<cache_t>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] *= scale;
+  }
+}
+
+// A cached row as float32 (a quantized row's codes, unscaled): a float32 cache's row
+// itself, read in place; any other widened into buf.
+template <typename cache_t>
+inline const float* row_as_float(const cache_t* row, float* buf, int64_t n) {
   if constexpr (std::is_same_v<cache_t, float>) {
     return row;
   } else {
-    dequantize_row(row, scale, buf, n);
+    widen_row(row, buf, n);
     return buf;
   }
 }
