@@ -16,7 +16,7 @@ one run, on one model (default SmolLM2-135M, float32 on a CPU):
   write (a decode step's time does not depend on the values, and a 16 x 4096
   prefill would take far longer than the measurement);
 - **quality** (``--ppl``): perplexity of the model over
-  :data:`~minivllm.bench.long_text.LONG_TEXT` (about 1,500 tokens, one prefill)
+  :data:`~minivllm.bench.long_text.LONG_TEXT` (about 1,100 tokens, one prefill)
   with the cache stored each way, against ``auto``
   (:func:`minivllm.bench.quality.perplexity`).
 

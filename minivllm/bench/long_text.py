@@ -1,4 +1,4 @@
-"""A fixed long English text for perplexity at a long context (about 1,500 SmolLM2 tokens).
+"""A fixed long English text for perplexity at a long context (about 1,100 SmolLM2 tokens).
 
 Original prose written for minivllm's benchmarks (no licence attached to it),
 long enough that the later tokens attend over a thousand cached keys, which is

@@ -10,7 +10,7 @@ the same text, so one disagreement does not derail the rest).
 quantized, as the engine would: every token's keys and values are written
 quantized and read back dequantized, so each position attends over the
 quantized keys and values of all before it (and its own). :data:`LONG_TEXT`
-(about 1,500 tokens) measures it at a long context.
+(about 1,100 tokens) measures it at a long context.
 
 Used by ``tutorials/09_bytes_per_weight.py``, ``tests/test_quantization.py``
 and ``minivllm bench kvcache``.
