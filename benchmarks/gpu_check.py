@@ -91,6 +91,7 @@ def aot_check() -> int:
     compiled = _install_fake_driver()
     import torch
 
+    from minivllm import kv_quant
     from minivllm.fast import activation, attention, cache_write, layernorm, rotary
     from minivllm.fast.attention_decode import paged_decode_attention
     from minivllm.metadata import AttentionMetadata
@@ -116,28 +117,52 @@ def aot_check() -> int:
                               batch([1, 5], [40, 300], heads, kv, d, 16, dtype)))  # fmt: skip
                 cases.append((f"prefill {dtype} d{d} h{heads}/{kv}",
                               batch([129, 5], [463, 18], heads, kv, d, 16, dtype)))  # fmt: skip
+    # The Triton functions by name: the public ones send CPU tensors to the C++ ops.
     for name, (q, kc, vc, md) in cases:
         try:
-            attention.paged_attention(q, kc, vc, md, 0.1)
+            attention.paged_attention_triton(q, kc, vc, md, 0.1)
         except Exception as e:
             failures.append(f"{name}: {type(e).__name__}: {e}")
+    # A quantized KV cache (kv_cache_dtype int8 / fp8): codes and a scale per row.
+    for fmt, cache_dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for d in (64, 128):
+                for kind, qlens, lens in (("decode", [1, 1], [40, 1300]),
+                                          ("decode-1part", [1, 1], [40, 300]),
+                                          ("prefill", [129, 5], [463, 18])):
+                    q, kc, _, md = batch(qlens, lens, 32, 8, d, 16, dtype)
+                    kc, vc = kc.to(cache_dtype), kc.to(cache_dtype)
+                    ks = torch.empty(kc.shape[:3], dtype=kv_quant.SCALE_DTYPE)
+                    try:
+                        attention.paged_attention_triton(q, kc, vc, md, 0.1, k_scale=ks,
+                                                         v_scale=ks.clone())
+                    except Exception as e:
+                        failures.append(f"{fmt} {kind} {dtype} d{d}: {type(e).__name__}: {e}")
+                k = torch.empty(3, 8, d, dtype=dtype)
+                cache = torch.empty(4, 16, 8, d, dtype=cache_dtype)
+                scale = torch.empty(4, 16, 8)
+                cache_write.reshape_and_cache_triton(k, k, cache, cache.clone(),
+                                                     torch.zeros(3, dtype=torch.int64),
+                                                     k_scale=scale, v_scale=scale.clone())
     q, kc, vc, md = batch([1, 1], [40, 1300], 4, 2, 16, 16, torch.float32)
     paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, md.query_start_loc,
                            md.max_seq_len, 0.1, q.clone(), partition_size=64)  # fmt: skip
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for hidden in (64, 1000, 4096, 8192):
             x = torch.empty(3, hidden, dtype=dtype)
-            layernorm.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6)
-            layernorm.fused_add_rms_norm(x, x.clone(), torch.empty(hidden, dtype=dtype), 1e-6)
-        activation.silu_and_mul(torch.empty(3, 2 * 14336, dtype=dtype))
+            layernorm.rms_norm_triton(x, torch.empty(hidden, dtype=dtype), 1e-6)
+            layernorm.fused_add_rms_norm_triton(x, x.clone(), torch.empty(hidden, dtype=dtype),
+                                                1e-6)
+        activation.silu_and_mul_triton(torch.empty(3, 2 * 14336, dtype=dtype))
         for neox in (True, False):
-            rotary.apply_rotary_emb(torch.zeros(3, dtype=torch.int64),
-                                    torch.empty(3, 32, 128, dtype=dtype),
-                                    torch.empty(3, 8, 128, dtype=dtype),
-                                    torch.empty(64, 64), neox)  # fmt: skip
+            rotary.apply_rotary_emb_triton(torch.zeros(3, dtype=torch.int64),
+                                           torch.empty(3, 32, 128, dtype=dtype),
+                                           torch.empty(3, 8, 128, dtype=dtype),
+                                           torch.empty(64, 64), neox)  # fmt: skip
         k = torch.empty(3, 8, 128, dtype=dtype)
         cache = torch.empty(4, 16, 8, 128, dtype=dtype)
-        cache_write.reshape_and_cache(k, k, cache, cache.clone(), torch.zeros(3, dtype=torch.int64))
+        cache_write.reshape_and_cache_triton(k, k, cache, cache.clone(),
+                                             torch.zeros(3, dtype=torch.int64))
 
     seen, worst = set(), {}
     print(f"{'kernel':<28}{'warps':>6}{'stages':>7}{'smem KiB':>9}{'regs':>6}{'spill':>6}  key")

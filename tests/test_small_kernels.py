@@ -259,7 +259,7 @@ def _rope_oracle(positions, x, cache, is_neox):
 @given(
     num_tokens=st.integers(1, 9),
     heads=gqa_heads(3),
-    head_dim=st.sampled_from(SMALL_HEAD_DIMS + [64]),
+    head_dim=st.sampled_from((*SMALL_HEAD_DIMS, 64)),
     partial=st.booleans(),
     is_neox=st.booleans(),
     dtype=dtypes,

@@ -98,6 +98,26 @@ for k, b in bytes_per_token.items():
     print(f"{k:>9}: {b / 1e6:6.1f} MB per token -> roofline {roofline[k]:6.0f} tok/s")
 
 # %% [markdown]
+# **The KV cache joins the weights at a long context.** A decode step also reads the
+# keys and values of every token its sequence has cached: for SmolLM2, 30 layers x K
+# and V x 3 KV heads x 64 values, 46 KB a token in float32, 23 KB in bf16, and 12 KB
+# with ``kv_cache_dtype="int8"`` or ``"fp8"`` (one byte a value plus a float32 scale
+# per token and KV head, :doc:`/kv_cache`). At 4,096 tokens that is 189 MB a step in
+# float32, more than the bf16 weights: the roofline then falls for every weight format,
+# and an 8-bit cache lifts it back part of the way.
+
+# %%
+context = 4096
+kv_bytes_per_token = {"float32 KV": 2 * layers * 3 * 64 * 4, "bfloat16 KV": 2 * layers * 3 * 64 * 2,
+                      "int8 KV": 2 * layers * 3 * (64 + 4)}
+for k, b in kv_bytes_per_token.items():
+    with_kv = read_gbs * 1e9 / (bytes_per_token["bfloat16"] + context * b)
+    print(f"{k:>11}: {context * b / 1e6:6.1f} MB per step at {context} tokens -> roofline "
+          f"with bf16 weights {with_kv:5.0f} tok/s")
+roofline_4k = {kv: {w: read_gbs * 1e9 / (b + context * kv_b) for w, b in bytes_per_token.items()}
+               for kv, kv_b in kv_bytes_per_token.items() if kv != "bfloat16 KV"}
+
+# %% [markdown]
 # The LM head is a fifth of the model and stays 8-bit in both quantized formats,
 # so 4-bit is not 2.7x faster than bf16 at the roofline: the head's bytes only halve.
 # (Left in float32, the CPU default dtype on a machine without bf16 dot products,
@@ -203,6 +223,9 @@ roof = [roofline[r[3]] for r in runs]
 fig, ax = plt.subplots(figsize=(9, 4))
 ax.bar(names, [decode_tok_s[n] for n in names], color="tab:blue", label="measured decode")
 ax.plot(names, roof, "o", color="tab:red", label="roofline (bandwidth / bytes)")
+for (kv, roofs), marker in zip(roofline_4k.items(), ("v", "^")):  # + a 4k-token KV cache
+    ax.plot(names, [roofs["int4" if n.startswith("gguf") else n] for n in names], marker,
+            color="tab:gray", fillstyle="none", label=f"roofline at {context} tokens, {kv}")
 ax.set_ylabel("tokens / s at batch 1")
 ax.set_yscale("log")
 ax.set_title(f"SmolLM2-135M decode on a CPU ({read_gbs:.0f} GB/s read)")
@@ -220,7 +243,9 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # %% [markdown]
 # **Figure 09.1.** SmolLM2-135M's batch-1 decode speed in each weight format
 # (bars, log scale), beside the roofline that this machine's read bandwidth and
-# the format's weight bytes per token allow (dots). Look at the gap between each
+# the format's weight bytes per token allow (dots; the hollow triangles: the same
+# roofline once each step also reads a 4,096-token KV cache, in float32 or in int8
+# with its scales). Look at the gap between each
 # bar and its dot, and at whether the bars grow as the bytes shrink. Where a bar
 # sits far below its dot, the weight reads are not what the step waits on: at 135M
 # parameters they take only milliseconds, and the rest (attention, norms, per-op

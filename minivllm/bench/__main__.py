@@ -7,7 +7,8 @@ the HTTP server), ``host`` (allocator, block tables,
 scheduler), ``sharing`` (blocks saved by fork and copy-on-write), ``kernels`` (Triton vs
 ref), ``prefill`` (long prompts on a CPU: the GEMM-shaped
 attention against the row loop, end to end), ``tp`` (tensor parallel), ``pp`` (pipeline
-parallel: throughput, the bubble, memory per rank), ``llamacpp``
+parallel: throughput, the bubble, memory per rank), ``kvcache`` (the int8 / fp8 KV cache:
+capacity, a decode step at 4k x 16, perplexity), ``llamacpp``
 (build llama.cpp's own benchmark tools and the GGUF weights they compare on).
 """
 

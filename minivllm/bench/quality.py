@@ -6,8 +6,14 @@ next token, with the logits' argmax at every position; ``greedy_agreement``
 is the fraction of positions where two models pick the same next token (on
 the same text, so one disagreement does not derail the rest).
 
-Used by ``tutorials/09_bytes_per_weight.py`` and ``tests/test_quantization.py``.
-``python -m minivllm.bench quality`` (:func:`compare`) measures each
+``kv_cache_dtype`` (``"auto"``, ``"int8"``, ``"fp8"``) stores that cache
+quantized, as the engine would: every token's keys and values are written
+quantized and read back dequantized, so each position attends over the
+quantized keys and values of all before it (and its own). :data:`LONG_TEXT`
+(about 1,100 tokens) measures it at a long context.
+
+Used by ``tutorials/09_bytes_per_weight.py``, ``tests/test_quantization.py``
+and ``minivllm bench kvcache``. ``python -m minivllm.bench quality`` (:func:`compare`) measures each
 quantization scheme against the float model it was made from, in one run:
 perplexity, greedy agreement and the mean KL divergence of the next-token
 distributions (a steadier measure than the perplexity of a short text), for
@@ -22,6 +28,8 @@ from typing import Any
 
 import torch
 
+from minivllm import kv_quant
+from minivllm.bench.long_text import LONG_TEXT  # noqa: F401  (re-exported)
 from minivllm.config import cdiv
 from minivllm.metadata import AttentionMetadata
 
@@ -40,14 +48,16 @@ TEXT = (
 )
 
 
-def logits_of(model: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """``(T, vocab)`` float32 logits of every position of one sequence, in one prefill."""
+def logits_of(model: Any, token_ids: list[int], block_size: int = 16,
+              kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """``(T, vocab)`` float32 logits of every position of one sequence, in one prefill
+    over a KV cache stored as ``kv_cache_dtype``."""
     attn = model.model.layers[0].self_attn
     param = next(model.parameters())
     num_blocks = cdiv(len(token_ids), block_size)
-    shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-    kv_caches = [(torch.zeros(shape, dtype=param.dtype, device=param.device),
-                  torch.zeros(shape, dtype=param.dtype, device=param.device))
+    dtype = kv_quant.cache_dtype(kv_cache_dtype, param.dtype, param.device)
+    kv_caches = [kv_quant.allocate(num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                   dtype, param.device)
                  for _ in model.model.layers]  # fmt: skip
     t = len(token_ids)
     md = AttentionMetadata.build(
@@ -61,9 +71,11 @@ def logits_of(model: Any, token_ids: list[int], block_size: int = 16) -> torch.T
         return model.compute_logits(hidden).float().cpu()  # (T, vocab)
 
 
-def perplexity(model: Any, token_ids: list[int]) -> tuple[float, torch.Tensor]:
-    """``(perplexity of tokens 1..T-1, argmax next token at positions 0..T-2)``."""
-    logits = logits_of(model, token_ids)[:-1]  # (T - 1, vocab): predicts tokens 1..T-1
+def perplexity(model: Any, token_ids: list[int],
+               kv_cache_dtype: str = "auto") -> tuple[float, torch.Tensor]:
+    """``(perplexity of tokens 1..T-1, argmax next token at positions 0..T-2)``, with the
+    KV cache stored as ``kv_cache_dtype``."""
+    logits = logits_of(model, token_ids, kv_cache_dtype=kv_cache_dtype)[:-1]  # (T - 1, vocab)
     targets = torch.tensor(token_ids[1:])
     nll = torch.nn.functional.cross_entropy(logits, targets)
     return math.exp(nll.item()), logits.argmax(dim=-1)

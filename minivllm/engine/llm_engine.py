@@ -92,8 +92,8 @@ class LLMEngine:
         hf_config = self.executor.hf_config
         self.vocab_size = hf_config.vocab_size
         max_model_len = max_model_len_for(config.max_model_len, hf_config)
-        num_blocks = num_kv_blocks(config, self.executor.bytes_per_block(config.block_size),
-                                   device)
+        block_bytes = self.executor.bytes_per_block(config.block_size)
+        num_blocks = num_kv_blocks(config, block_bytes, device)
         # The KV cache, the block table and the model runner live on every rank.
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
                                     cdiv(max_model_len, config.block_size))
@@ -128,9 +128,10 @@ class LLMEngine:
         self._forward_s = 0.0  # this step's time in the executor (StepStats.forward_seconds)
         logger.info(
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
-            "(max_model_len %d); backends %s",
+            "(kv_cache_dtype %s, %d bytes a token; max_model_len %d); backends %s",
             num_blocks, config.block_size, num_blocks * config.block_size,
-            max_model_len, self.components.describe(),
+            config.kv_cache_dtype, block_bytes // config.block_size, max_model_len,
+            self.components.describe(),
         )
 
     @property

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minivllm import backend, distributed
+from minivllm import backend, distributed, kv_quant
 from minivllm.engine import wire
 from minivllm.engine.config import WorkerConfig
 from minivllm.metadata import ModelInput, StepInput
@@ -56,6 +56,9 @@ class Worker:
         self.components = backend.as_components(components)
         self.device = torch.device(config.device if device is None else device)
         self.dtype = config.dtype
+        # The KV cache's storage dtype: the model's, or int8 / e4m3 with scales beside it
+        # (checked before the weights load: fp8 needs a recent GPU).
+        self.cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, config.dtype, self.device)
         self.model, self.hf_config, self.tokenizer = load_model(
             config.model, dtype=config.dtype, device=self.device,
             tp_size=config.tensor_parallel_size, components=self.components,
@@ -71,7 +74,8 @@ class Worker:
         self.num_layers = inner.end_layer - inner.start_layer  # this stage's layers
         self.num_kv_heads = attn.num_kv_heads  # this rank's KV heads
         self.head_dim = attn.head_dim
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per layer (k_cache, v_cache), plus (k_scale, v_scale) for a quantized cache.
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.block_tables = None  # this rank's BlockTables, made by init_kv_cache
         self.model_runner = None  # made by init_kv_cache, over the KV cache
         self.lora_manager = self.lora_context = None
@@ -113,9 +117,10 @@ class Worker:
             self.lora_requests.pop(lora_int_id, None)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """KV-cache bytes one block costs on this rank, over all layers, K and V."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        """KV-cache bytes one block costs on this rank, over all layers, K and V (and
+        the scales of a quantized cache)."""
+        row = kv_quant.bytes_per_token_head(self.head_dim, self.cache_dtype)
+        return 2 * self.num_layers * block_size * self.num_kv_heads * row
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this worker holds: ``{"weights": ..., "kv_cache": ...}`` (its own layers only)."""
@@ -133,14 +138,14 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
                       max_num_blocks_per_req: int | None = None) -> None:
-        """Allocate one ``(num_blocks, block_size, H_kv, D)`` K and V tensor per layer,
-        an empty block table for up to ``max_num_reqs`` requests of up to
-        ``max_num_blocks_per_req`` blocks each (default: the whole pool), and
-        the model runner over them."""
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        """Allocate one ``(num_blocks, block_size, H_kv, D)`` K and V tensor per layer
+        (in ``kv_cache_dtype``; a quantized cache adds its ``(num_blocks, block_size,
+        H_kv)`` float32 K and V scales), an empty block table for up to
+        ``max_num_reqs`` requests of up to ``max_num_blocks_per_req`` blocks each
+        (default: the whole pool), and the model runner over them."""
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            kv_quant.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                              self.cache_dtype, self.device)
             for _ in range(self.num_layers)
         ]
         max_blocks = max_num_blocks_per_req or num_blocks

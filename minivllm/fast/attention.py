@@ -37,6 +37,16 @@ gather + SDPA was measured no faster at SmolLM2's shapes with short chunks. :fun
 tensor's device; ``paged_attention_triton`` / ``paged_attention_cpu`` name
 them directly (``minivllm.fast.triton`` / ``minivllm.fast.cpu``).
 
+**A quantized cache** (``kv_cache_dtype="int8"`` / ``"fp8"``,
+:mod:`minivllm.kv_quant`: int8 / e4m3 codes, a float32 scale per token and KV
+head in ``k_scale``/``v_scale``) is read as it is, a byte an element: no
+dequantized copy. The Triton kernels widen the codes to the query's dtype
+(exact: every int8 and e4m3 value is a bf16 / fp16 value) and take each key's
+scale out of the dot products, ``q . (s k) = s (q . k)`` on the scores and
+``sum_t p_t s_t v_t`` by scaling the probabilities: one multiply per key, not
+per element. The C++ op dequantizes each row into an L1 buffer as it reads it
+(``csrc/kv_cache.h``). The ref dequantizes each sequence's gathered rows.
+
 ``gather_kv`` is the ref's helper, re-exported so that both twins have the
 same public names; the kernels here do not use it.
 """
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm import kv_quant
 from minivllm.fast import cpu_ops
 from minivllm.fast.attention_decode import paged_decode_attention
 from minivllm.fast.attention_prefill import unified_attention
@@ -54,15 +65,19 @@ from minivllm.ref.attention import _check_shapes, gather_kv
 __all__ = ["gather_kv", "paged_attention"]
 
 
-def _check(query, k_cache, v_cache, metadata: AttentionMetadata) -> None:
+def _check(query, k_cache, v_cache, metadata: AttentionMetadata,
+           k_scale=None, v_scale=None) -> None:
     """The ref's shape checks, plus the layout both kernels assume (no per-sequence loop)."""
     _check_shapes(query, k_cache, v_cache, metadata)
+    kv_quant.check_scales(k_cache, v_cache, k_scale, v_scale)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if k_scale is not None and not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("k_scale and v_scale must be contiguous")
+    if k_scale is None and (k_cache.dtype != query.dtype or v_cache.dtype != query.dtype):
         raise ValueError(
-            f"query, k_cache and v_cache must share a dtype, got {query.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            f"query, k_cache and v_cache must share a dtype (or the cache be int8 / fp8), "
+            f"got {query.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     num_seqs = metadata.num_seqs
     if metadata.query_start_loc.shape != (num_seqs + 1,):
@@ -83,11 +98,17 @@ def paged_attention(
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,  # only with an int8 / fp8 cache
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-    """Causal attention of every query row over its sequence's cached K/V."""
+    """Causal attention of every query row over its sequence's cached K/V (read as
+    codes and scales from an int8 / fp8 cache)."""
     if query.device.type == "cpu":
-        return paged_attention_cpu(query, k_cache, v_cache, metadata, scale)
-    return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
+        return paged_attention_cpu(query, k_cache, v_cache, metadata, scale,
+                                   k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_triton(query, k_cache, v_cache, metadata, scale,
+                                  k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_triton(
@@ -96,9 +117,12 @@ def paged_attention_triton(
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """:func:`paged_attention` by the Triton kernels (CUDA, or the interpreter on a CPU)."""
-    _check(query, k_cache, v_cache, metadata)
+    _check(query, k_cache, v_cache, metadata, k_scale, v_scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -112,10 +136,12 @@ def paged_attention_triton(
         return paged_decode_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.max_seq_len, scale, out,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return unified_attention(
         query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, metadata.max_query_len, scale, out,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -127,6 +153,8 @@ def paged_attention_cpu(
     scale: float,
     *,
     gemm_prefill: bool = True,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """:func:`paged_attention` by the C++ op ``torch.ops.minivllm.paged_attention``.
 
@@ -135,7 +163,7 @@ def paged_attention_cpu(
     per-query-vector row loop instead, the kernel before it (for benchmarks and
     tests that compare the two).
     """
-    _check(query, k_cache, v_cache, metadata)
+    _check(query, k_cache, v_cache, metadata, k_scale, v_scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype)
@@ -144,6 +172,6 @@ def paged_attention_cpu(
     cpu_ops.ops().paged_attention(
         out, query, k_cache, v_cache, metadata.block_tables.to(torch.int32),
         metadata.seq_lens.to(torch.int32), metadata.query_start_loc.to(torch.int32), scale,
-        gemm_prefill,
+        gemm_prefill, k_scale, v_scale,
     )  # fmt: skip
     return out

@@ -41,6 +41,11 @@ per query head (``GROUP`` times the bytes), upcasts 16-bit caches to float32
 bf16 with ``GROUP = 4`` (tutorial 04 counts it). This kernel reads each
 sequence's own K/V once (``2 * sum(seq_lens) * H_kv * D`` elements), the
 queries once, and writes the output once, plus the small float32 partials.
+
+A quantized cache (``QUANT``: int8 / e4m3 codes, one float32 scale per token
+and KV head, :mod:`minivllm.kv_quant`) is read as codes, 1 byte an element,
+widened to the query's dtype (exactly) for the dot products, with each key's
+scale applied once per score and each value's folded into its probability.
 """
 
 from __future__ import annotations
@@ -104,6 +109,18 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
+def _codes_for_dot(x, q, DOT_MODE: tl.constexpr):
+    """int8 / e4m3 cache codes in the query's dtype, for ``_dot`` (exact: each is a
+    bf16 and an fp16 value); in float32 where ``_dot`` upcasts anyway (Triton's
+    interpreter casts int8 to bf16 wrongly)."""
+    if DOT_MODE == 2:
+        y = x.to(tl.float32)
+    else:
+        y = x.to(q.dtype)
+    return y
+
+
+@triton.jit
 def _paged_decode_kernel(
     query_ptr,  # (num_tokens, H, D): one row per sequence
     k_cache_ptr,  # (num_blocks, block_size, H_kv, D)
@@ -115,6 +132,8 @@ def _paged_decode_kernel(
     part_acc_ptr,  # (num_seqs, H, num_partitions, BLOCK_D) float32 partial sums
     part_max_ptr,  # (num_seqs, H, num_partitions) float32 running max (log2 units)
     part_sum_ptr,  # (num_seqs, H, num_partitions) float32 sum of exp2(score - max)
+    k_scale_ptr,  # (num_blocks, block_size, H_kv) float32, contiguous (QUANT only)
+    v_scale_ptr,  # (num_blocks, block_size, H_kv) float32 (QUANT only)
     qk_scale,  # softmax scale * log2(e): scores in log2 units, so exp2 replaces exp
     stride_qt, stride_qh,  # query strides (token, head)
     stride_ot, stride_oh,  # out strides (token, head)
@@ -130,6 +149,7 @@ def _paged_decode_kernel(
     PARTITION_SIZE: tl.constexpr,  # context tokens per program
     SINGLE_PARTITION: tl.constexpr,  # num_partitions == 1: write the output directly
     DOT_MODE: tl.constexpr,
+    QUANT: tl.constexpr = False,  # an int8 / fp8 cache, with k_scale / v_scale
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,7 +183,12 @@ def _paged_decode_kernel(
         slot = block * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
         kv_mask = valid[None, :] & d_mask[:, None]
         k = tl.load(k_cache_ptr + slot[None, :] + d[:, None], mask=kv_mask, other=0.0)
-        scores = _dot(q, k, DOT_MODE) * qk_scale  # [BLOCK_G, TILE_N]
+        if QUANT:  # codes: the key's scale comes out of the dot product, q . (s k) = s (q . k)
+            s_idx = (block * block_size + pos % block_size) * tl.num_programs(1) + kv_head
+            k_s = tl.load(k_scale_ptr + s_idx, mask=valid, other=0.0)  # [TILE_N]
+            scores = _dot(q, _codes_for_dot(k, q, DOT_MODE), DOT_MODE) * (k_s * qk_scale)[None, :]
+        else:
+            scores = _dot(q, k, DOT_MODE) * qk_scale  # [BLOCK_G, TILE_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
 
         # Online softmax: rescale what we have so far to the new running max.
@@ -173,7 +198,12 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = valid[:, None] & d_mask[None, :]
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=v_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
+        if QUANT:  # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t
+            v_s = tl.load(v_scale_ptr + s_idx, mask=valid, other=0.0)  # [TILE_N]
+            pv = _dot((p * v_s[None, :]).to(q.dtype), _codes_for_dot(v, q, DOT_MODE), DOT_MODE)
+        else:
+            pv = _dot(p.to(v.dtype), v, DOT_MODE)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     # END SOLUTION
 
@@ -249,6 +279,9 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # (num_seqs, num_heads, head_dim), written here
     partition_size: int = PARTITION_SIZE,
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,  # only with an int8 / fp8 cache
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache for a batch of single-row queries."""
     num_seqs = seq_lens.shape[0]
@@ -270,9 +303,11 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
     else:  # never touched: the kernel writes the output directly
         part_acc = part_max = part_sum = out
+    quant = k_scale is not None
     args = (
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         part_acc, part_max, part_sum,
+        k_scale if quant else out, v_scale if quant else out,  # unused without QUANT
         scale * 1.4426950408889634,  # log2(e)
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -282,7 +317,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group,
         BLOCK_G=max(triton.next_power_of_2(group), 16),
         PARTITION_SIZE=partition_size, SINGLE_PARTITION=num_partitions == 1,
-        DOT_MODE=dot_mode(query.dtype),
+        DOT_MODE=dot_mode(query.dtype), QUANT=quant,
     )  # fmt: skip
     launch(_paged_decode_kernel, (num_seqs, num_kv_heads, num_partitions), args, consts, cfg)
     if num_partitions > 1:

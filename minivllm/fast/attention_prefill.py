@@ -35,6 +35,10 @@ seq_len)`` score and probability matrices in memory (written and read by the
 scale, the mask, the softmax and the weighted sum), one sequence after
 another. This kernel reads Q once, each needed K/V tile once per query block,
 writes O once, and never stores scores.
+
+A quantized cache (``QUANT``) is read as codes, as in
+:mod:`minivllm.fast.attention_decode`: widened exactly to the query's dtype,
+the key's scale on its scores, the value's folded into its probabilities.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ try:
 except ImportError:  # no Triton wheels off Linux: the C++ CPU path still works
     from minivllm.fast._no_triton import tl, triton
 
-from minivllm.fast.attention_decode import _dot, dot_mode, launch
+from minivllm.fast.attention_decode import _codes_for_dot, _dot, dot_mode, launch
 
 
 @triton.jit
@@ -76,6 +80,8 @@ def _unified_attention_kernel(
     seq_lens_ptr,  # (num_seqs,) int32
     query_start_loc_ptr,  # (num_seqs + 1,) int32
     out_ptr,  # (num_tokens, H, D)
+    k_scale_ptr,  # (num_blocks, block_size, H_kv) float32, contiguous (QUANT only)
+    v_scale_ptr,  # (num_blocks, block_size, H_kv) float32 (QUANT only)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh,  # query strides (token, head)
     stride_ot, stride_oh,  # out strides (token, head)
@@ -90,6 +96,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr,  # tile rows, >= BLOCK_Q * GROUP, a power of 2 (>= 16)
     TILE_N: tl.constexpr,  # keys per inner-loop step
     DOT_MODE: tl.constexpr,
+    QUANT: tl.constexpr = False,  # an int8 / fp8 cache, with k_scale / v_scale
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,7 +134,12 @@ def _unified_attention_kernel(
         slot = block * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + slot[None, :] + d[:, None],
                     mask=valid[None, :] & d_mask[:, None], other=0.0)  # fmt: skip
-        scores = _dot(q, k, DOT_MODE) * qk_scale  # [BLOCK_M, TILE_N]
+        if QUANT:  # codes: the key's scale comes out of the dot product
+            s_idx = (block * block_size + pos % block_size) * tl.num_programs(1) + kv_head
+            k_s = tl.load(k_scale_ptr + s_idx, mask=valid, other=0.0)  # [TILE_N]
+            scores = _dot(q, _codes_for_dot(k, q, DOT_MODE), DOT_MODE) * (k_s * qk_scale)[None, :]
+        else:
+            scores = _dot(q, k, DOT_MODE) * qk_scale  # [BLOCK_M, TILE_N]
         # Key 0 is visible to every row, so no row is ever all -inf (no NaN).
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -138,7 +150,12 @@ def _unified_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :],
                     mask=valid[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_MODE)
+        if QUANT:  # the value's scale folded into its probability
+            v_s = tl.load(v_scale_ptr + s_idx, mask=valid, other=0.0)  # [TILE_N]
+            pv = _dot((p * v_s[None, :]).to(q.dtype), _codes_for_dot(v, q, DOT_MODE), DOT_MODE)
+        else:
+            pv = _dot(p.to(v.dtype), v, DOT_MODE)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -179,6 +196,9 @@ def unified_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written here
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,  # only with an int8 / fp8 cache
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged cache, one launch."""
     num_tokens, num_heads, head_dim = query.shape
@@ -188,13 +208,16 @@ def unified_attention(
     block_d = max(triton.next_power_of_2(head_dim), 16)
     cfg = unified_config(query.dtype, block_d, group, max_query_len)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
+    quant = k_scale is not None
     args = (
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        k_scale if quant else out, v_scale if quant else out,  # unused without QUANT
         scale * 1.4426950408889634,  # log2(e)
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), num_seqs, block_size,
     )  # fmt: skip
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, DOT_MODE=dot_mode(query.dtype))
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, DOT_MODE=dot_mode(query.dtype),
+                  QUANT=quant)
     launch(_unified_attention_kernel, grid, args, consts, cfg)
     return out

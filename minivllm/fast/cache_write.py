@@ -19,10 +19,21 @@ Launch grid: ``(num_tokens, cdiv(num_kv_heads * head_dim, BLOCK))``. One
 program copies one block of ``BLOCK`` consecutive elements of one token's
 flattened ``(num_kv_heads * head_dim)`` row, for both K and V.
 
+A quantized cache (``kv_cache_dtype="int8"`` / ``"fp8"``, :mod:`minivllm.kv_quant`)
+takes its own kernel, :func:`_reshape_and_cache_quant_kernel`, grid
+``(num_tokens, num_kv_heads)``: one program quantizes one (token, KV head) row,
+the unit that shares a scale (``s = max|x| / QMAX``, a reduction over the row,
+then ``q = round(x / s)``), and writes its codes and its scale. Every division
+is ``div_rn`` (Triton's ``/`` on a GPU is an approximate division), and e4m3
+codes are built from the float's bits (:func:`_e4m3_bits`): the same codes as
+the ref's, bit for bit, on any device. The ref quantizes in a few torch ops and
+scatters codes and scales separately, each through a compacted copy.
+
 On a CPU the same scatter is the C++ op ``torch.ops.minivllm.reshape_and_cache``
 (``minivllm/fast/csrc/cache_write.cpp``): one ``memcpy`` per token and head,
-tokens spread over threads. :func:`reshape_and_cache` picks the realisation
-from the tensor's device.
+tokens spread over threads; into a quantized cache, each row quantized in the
+same pass. :func:`reshape_and_cache` picks the realisation from the tensor's
+device.
 
 :func:`copy_blocks` (the copies of copy-on-write: whole blocks ``src -> dst``
 for every layer's K and V) is ONE op call for all layers and pairs, where the
@@ -38,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm import kv_quant
 from minivllm.fast import cpu_ops
 from minivllm.ref import cache_write as ref_cache_write
 
@@ -84,26 +96,109 @@ def _reshape_and_cache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _e4m3_bits(y):
+    """The float8 e4m3fn code nearest to float32 ``y`` (``|y| <= 448``), ties to even, as
+    ``torch``'s ``.to(float8_e4m3fn)`` rounds; uint8 bits.
+
+    Built from the float's bits rather than ``y.to(tl.float8e4nv)``: Triton's
+    interpreter rounds that cast's ties away from zero and drops a mantissa carry
+    into an odd exponent (124.3 became 64), and this way every device gives the
+    same codes.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF  # |y|'s bits
+    # |y| >= 2^-6 (e4m3's normal range): round the 23-bit mantissa to 3 bits, ties to
+    # even (a carry moves into the exponent, as it should), then rebias 127 -> 7.
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # Below 2^-6: multiples of 2^-9, m = round(|y| * 512) by the 1.5 * 2^23 trick
+    # (ties to even); m = 8 is 2^-6, which is also the first normal code.
+    m = ((a.to(tl.float32, bitcast=True) * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)
+    code = tl.minimum(tl.where(a >= 0x3C800000, normal, m), 0x7E)  # 0x3C800000: 2^-6
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_row(x, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """``(codes, scale)`` of one row (:mod:`minivllm.kv_quant`'s formula, in float32)."""
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX)
+    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0))
+    if FP8:
+        q = _e4m3_bits(y)
+    else:  # round half to even by the 1.5 * 2^23 trick (|y| <= 127), then clamp
+        r = (y + 12582912.0) - 12582912.0
+        q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+    return q, scale
+
+
+@triton.jit
+def _reshape_and_cache_quant_kernel(
+    key_ptr,  # (num_tokens, H_kv, D), unit stride on D
+    value_ptr,  # (num_tokens, H_kv, D)
+    k_cache_ptr,  # (num_blocks, block_size, H_kv, D) int8, or e4m3 seen as uint8
+    v_cache_ptr,  # (num_blocks, block_size, H_kv, D)
+    k_scale_ptr,  # (num_blocks, block_size, H_kv) float32, contiguous
+    v_scale_ptr,  # (num_blocks, block_size, H_kv) float32
+    slot_mapping_ptr,  # (num_tokens,) int64, -1 = skip
+    stride_kt, stride_kh,  # key strides (token, head), in elements
+    stride_vt, stride_vh,  # value strides (token, head)
+    stride_cb, stride_cs, stride_ch,  # cache strides (block, slot-in-block, head)
+    block_size,  # tokens per cache block
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # D padded to a power of 2
+    QMAX: tl.constexpr,  # the largest code: 127.0 or 448.0
+    FP8: tl.constexpr,  # e4m3 codes (else int8)
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding row: nothing to write
+        return
+    d = tl.arange(0, BLOCK_D)
+    mask = d < HEAD_DIM  # padding lanes load 0: they do not change max |x|
+    token64 = token.to(tl.int64)
+    k = tl.load(key_ptr + token64 * stride_kt + head * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(value_ptr + token64 * stride_vt + head * stride_vh + d, mask=mask, other=0.0)
+    k_q, k_s = _quantize_row(k, QMAX, FP8)
+    v_q, v_s = _quantize_row(v, QMAX, FP8)
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + head * stride_ch
+    tl.store(k_cache_ptr + dst + d, k_q, mask=mask)
+    tl.store(v_cache_ptr + dst + d, v_q, mask=mask)
+    num_kv_heads = tl.num_programs(1)
+    tl.store(k_scale_ptr + slot * num_kv_heads + head, k_s)
+    tl.store(v_scale_ptr + slot * num_kv_heads + head, v_s)
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,  # only with an int8 / fp8 cache
 ) -> None:
-    """Scatter ``key``/``value`` rows into ``k_cache``/``v_cache`` in place."""
+    """Scatter ``key``/``value`` rows into ``k_cache``/``v_cache`` in place (quantized,
+    with their scales, into an int8 / fp8 cache)."""
     if key.device.type == "cpu":
-        reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping)
+        reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping,
+                              k_scale=k_scale, v_scale=v_scale)
     else:
-        reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        reshape_and_cache_triton(key, value, k_cache, v_cache, slot_mapping,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
-def _prepare(key, value, k_cache, v_cache, slot_mapping):
+def _prepare(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """Validate (the ref's checks, plus the layout the kernels assume); return key and
     value with unit stride on head_dim."""
-    ref_cache_write._check(key, value, k_cache, v_cache, slot_mapping)
+    ref_cache_write._check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides, with unit stride on head_dim")
+    if k_scale is not None and not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("k_scale and v_scale must be contiguous")
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
@@ -118,11 +213,28 @@ def reshape_and_cache_triton(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """:func:`reshape_and_cache` by the Triton kernel (CUDA, or the interpreter on a CPU)."""
-    key, value = _prepare(key, value, k_cache, v_cache, slot_mapping)
+    key, value = _prepare(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
+        return
+    if k_scale is not None:  # a quantized cache: one program per (token, KV head) row
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        if fp8:  # the kernel writes e4m3 codes as bytes (see _e4m3_bits)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        _reshape_and_cache_quant_kernel[(num_tokens, num_kv_heads)](
+            key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+            key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.shape[1],
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            QMAX=kv_quant.QMAX[torch.float8_e4m3fn if fp8 else torch.int8], FP8=fp8,
+        )  # fmt: skip
         return
     row = num_kv_heads * head_dim
     block = min(triton.next_power_of_2(row), 2048)
@@ -143,17 +255,25 @@ def reshape_and_cache_cpu(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64, -1 = skip
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """:func:`reshape_and_cache` by the C++ op ``torch.ops.minivllm.reshape_and_cache``.
 
-    K/V of another dtype than the cache are cast first (the op copies bytes).
+    K/V of another dtype than a float cache are cast first (the op copies bytes);
+    into a quantized cache the op quantizes K/V of any float dtype as they are.
     """
-    key, value = _prepare(key, value, k_cache, v_cache, slot_mapping)
+    key, value = _prepare(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0] == 0:
         return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if k_scale is not None:
+        value = value.to(key.dtype)
+        cpu_ops.ops().reshape_and_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+        return
     key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
-    cpu_ops.ops().reshape_and_cache(key, value, k_cache, v_cache,
-                                    slot_mapping.to(torch.int64).contiguous())  # fmt: skip
+    cpu_ops.ops().reshape_and_cache(key, value, k_cache, v_cache, slots)
 
 
 # -- copy_blocks: the copies of copy-on-write ------------------------------------------------

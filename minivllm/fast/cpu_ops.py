@@ -53,7 +53,7 @@ SOURCES = ("attention.cpp", "cache_write.cpp", "copy_blocks.cpp", "layernorm.cpp
            "token_bitmask.cpp", "lora.cpp",
            "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
-HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h", "quant_w8a8_tiles.h")
+HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h", "quant_w8a8_tiles.h", "kv_cache.h")
 
 
 def _extension_name() -> str:

@@ -39,7 +39,9 @@ of the fast quantization twin, GGUF blocks included, with float or int8
 activations: W8A16 / W4A16 / W8A8 / W4A8) without a bias;
 :meth:`LayerStack.can_run` checks per step that every projection is a GEMV at
 that many rows (a long prefill chunk runs the model's forward, whose GEMMs
-dominate it).
+dominate it). The KV cache may be of any ``kv_cache_dtype``: an int8 / fp8
+layer's scales go to the same cache-write and attention ops, as the model's
+forward passes them.
 
 **The model's forward wins** where a reader or a tool needs it:
 ``enforce_eager=True`` (a breakpoint in ``LlamaDecoderLayer.forward`` fires
@@ -80,7 +82,8 @@ class ModelRunner(_ref.ModelRunner):
     Args:
         model: a :class:`~minivllm.model.llama.LlamaForCausalLM` (or a
             pipeline stage of one, or a ``first_layers`` view of one).
-        kv_caches: one ``(k_cache, v_cache)`` pair per layer the model holds.
+        kv_caches: one ``(k_cache, v_cache)`` pair per layer the model holds
+            (``(k_cache, v_cache, k_scale, v_scale)`` for an int8 / fp8 cache).
         max_num_seqs: the largest decode batch a CUDA graph is captured for.
         max_model_len: the longest sequence (sizes the graphs' block tables);
             None: the model's ``max_position_embeddings``.
@@ -275,8 +278,11 @@ class LayerStack:
                       for n in (l.input_layernorm, l.post_attention_layernorm)]
         self.norm_eps = [float(n.eps) for l in inner.layers
                          for n in (l.input_layernorm, l.post_attention_layernorm)]
-        self.k_caches = [k for k, _ in kv_caches]
-        self.v_caches = [v for _, v in kv_caches]
+        self.k_caches = [kv[0] for kv in kv_caches]
+        self.v_caches = [kv[1] for kv in kv_caches]
+        # An int8 / fp8 cache's scales, one pair a layer (none for a float cache).
+        self.k_scales = [kv[2] for kv in kv_caches if len(kv) == 4]
+        self.v_scales = [kv[3] for kv in kv_caches if len(kv) == 4]
         limits = {FLOAT_WEIGHT: fast_linear.GEMV_MAX_ROWS,
                   INT8_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
                   INT4_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
@@ -309,7 +315,8 @@ class LayerStack:
         layers = model.model.layers
         if len(layers) != len(kv_caches):
             return "one KV cache a layer"
-        dtype = kv_caches[0][0].dtype
+        # The activations' dtype: a float cache's (an int8 / fp8 cache's scales make 4 tensors).
+        dtype = kv_caches[0][0].dtype if len(kv_caches[0]) == 2 else model.model.norm.weight.dtype
         norms = [model.model.norm.weight] + [n.weight for l in layers for n in
                                              (l.input_layernorm, l.post_attention_layernorm)]
         if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
@@ -346,6 +353,7 @@ class LayerStack:
             md.seq_lens.to(torch.int32),  # (num_seqs,)
             md.query_start_loc.to(torch.int32),  # (num_seqs + 1,)
             self.cos_sin_cache, self.is_neox, self.norms, self.norm_eps, self.weights,
-            self.kinds, self.k_caches, self.v_caches, num_heads, num_kv_heads, head_dim, scale)
+            self.kinds, self.k_caches, self.v_caches, num_heads, num_kv_heads, head_dim, scale,
+            self.k_scales, self.v_scales)
         self._fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
         return hidden

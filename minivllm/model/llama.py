@@ -63,7 +63,9 @@ from minivllm.model.rope import get_rope, rope_params_from_config
 from minivllm.model.weights import load_hf_weights
 from minivllm.profiler import op_range
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks, bs, H_kv, D)
+# (k_cache, v_cache), each (blocks, bs, H_kv, D); an int8 / fp8 cache adds
+# (k_scale, v_scale), each (blocks, bs, H_kv) float32 (minivllm/kv_quant.py).
+KVCache = tuple[torch.Tensor, ...]
 
 
 class RMSNorm(nn.Module):
@@ -171,11 +173,14 @@ class LlamaAttention(nn.Module):
         # cache write and attention takes any token/head strides with unit stride on D.
         q, k = self.rotary_emb(positions, q, k)
 
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache
+        quant = dict(zip(("k_scale", "v_scale"), scales))  # an int8 / fp8 cache's; else none
         with op_range("op.cache_write"):
-            self.ops_cache.reshape_and_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+            self.ops_cache.reshape_and_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping,
+                                             **quant)
         with op_range("op.attention"):
-            out = self.ops_attn.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
+            out = self.ops_attn.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
+                                                **quant)
         with op_range("op.linear"):
             return self.o_proj(out.reshape(T, self.q_size))  # (T, H, D) -> (T, hidden)
 

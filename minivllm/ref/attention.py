@@ -24,6 +24,15 @@ For each sequence, one after another:
    small probabilities.
 5. **Weighted sum** of the values: ``out[j, h] = sum_p probs[h, j, p] v[p, h // group]``.
 
+**A quantized cache** (``kv_cache_dtype="int8"`` or ``"fp8"``, see
+:mod:`minivllm.kv_quant`): the caches hold int8 / float8_e4m3fn codes and the
+engine also passes ``k_scale``/``v_scale``, ``(num_blocks, block_size,
+num_kv_heads)`` float32, one scale per cached (token, KV head) row. Step 1
+then *dequantizes on read*: it gathers the sequence's scales like its rows
+(a cache whose head_dim is 1) and computes ``k = q_k * s_k``, ``v = q_v *
+s_v`` in float32; steps 2-5 do not change. Without a quantized cache the
+engine never passes them.
+
 This is what the tutorials teach and what the equivalence tests trust. Speed
 is not its job: it copies every sequence's K/V once more (the gather), upcasts
 it to float32, and writes and reads a ``(num_heads, query_len, seq_len)`` score
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm import kv_quant
 from minivllm.metadata import AttentionMetadata
 
 
@@ -102,10 +112,12 @@ def _check_shapes(
 
 
 def _check(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the field when the inputs do not fit together."""
     _check_shapes(query, k_cache, v_cache, md)
+    kv_quant.check_scales(k_cache, v_cache, k_scale, v_scale)
     capacity = md.block_tables.shape[1] * k_cache.shape[1]
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
         if not 0 <= query_len <= seq_len <= capacity:
@@ -121,14 +133,18 @@ def paged_attention(
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor | None = None,  # only with an int8 / fp8 cache
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     """``softmax(q k^T * scale + causal mask) v`` for every query row, over its sequence's cache.
 
-    Sequence by sequence, as the module docstring describes: gather, scores
-    with the GQA head mapping, causal mask shifted by the cached context,
-    float32 softmax, weighted sum of values.
+    Sequence by sequence, as the module docstring describes: gather (and
+    dequantize, with a quantized cache), scores with the GQA head mapping,
+    causal mask shifted by the cached context, float32 softmax, weighted sum
+    of values.
     """
-    _check(query, k_cache, v_cache, metadata)
+    _check(query, k_cache, v_cache, metadata, k_scale, v_scale)
     # BEGIN SOLUTION
     num_heads = query.shape[1]
     group = num_heads // k_cache.shape[2]
@@ -147,6 +163,9 @@ def paged_attention(
         table = metadata.block_tables[i : i + 1]  # (1, max_blocks)
         k = gather_kv(k_cache, table, seq_len)[0]
         v = gather_kv(v_cache, table, seq_len)[0]
+        if k_scale is not None:  # a quantized cache: dequantize on read, x = q * s
+            k = kv_quant.dequantize(k, gather_kv(k_scale.unsqueeze(-1), table, seq_len)[0, ..., 0])
+            v = kv_quant.dequantize(v, gather_kv(v_scale.unsqueeze(-1), table, seq_len)[0, ..., 0])
 
         # 2. Scores, one KV head per query head: (H, query_len, seq_len).
         q = query[start:end].float()  # (query_len, H, D)

@@ -29,7 +29,14 @@
 //   accumulator through memory once per (key, query vector).
 // - Items are spread over threads with at::parallel_for, one contiguous run
 //   of about equal work (keys x query vectors) per thread.
+// - A quantized cache (int8 / fp8 e4m3 codes, a float32 scale per token and KV
+//   head: kv_cache.h) is read as it is, 1 byte an element: each row's codes are
+//   widened into an L1 buffer when it is used, never into a copy of the cache, and
+//   the scales come out of the products: s_k (q . k) for a score, p s_v for the
+//   weight of a value row (one multiply per key instead of one per element).
+//   Decode reads a quarter of float32's bytes (half of bf16's), plus the scales.
 #include "attention_tile.h"
+#include "kv_cache.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -46,17 +53,6 @@ constexpr int64_t DC = 32;                // head_dim elements per register bloc
 constexpr int64_t MAX_TILE_QUERIES = 32;  // query vectors (rows x group heads) per item
 constexpr int64_t GEMM_MIN_ROWS = 8;      // sequences with this many query rows: GEMM tiles
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// A K row as float32: the row itself for float32 caches, else converted into buf.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* row, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
-  } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
-    return buf;
-  }
-}
 
 // acc[r][d0 + l] += sum_j p[r][j] * v_j[d0 + l] for MR query vectors and DC
 // elements of head_dim: MR x DC accumulators in registers, each V row loaded once.
@@ -85,11 +81,14 @@ struct Item {
   bool tiled;
 };
 
-template <typename scalar_t>
+// scalar_t: the query's (and output's) dtype; cache_t: the cache's, scalar_t itself or
+// a quantized code (int8_t, fp8_e4m3) with k_scale / v_scale (null for a float cache).
+template <typename scalar_t, typename cache_t>
 void attention_kernel(at::Tensor& out, const at::Tensor& query,
                       const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      const at::Tensor& query_start_loc, float scale, bool gemm_prefill) {
+                      const at::Tensor& query_start_loc, float scale, bool gemm_prefill,
+                      const float* k_scale, const float* v_scale) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -102,12 +101,13 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
   const int64_t table_stride = block_tables.stride(0);
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = reinterpret_cast<const cache_t*>(k_cache.data_ptr());
+  const cache_t* v_ptr = reinterpret_cast<const cache_t*>(v_cache.data_ptr());
   const int64_t q_st = query.stride(0), q_sh = query.stride(1);
   const int64_t o_st = out.stride(0), o_sh = out.stride(1);
   // k_cache and v_cache share strides (checked in Python): block, slot, head.
   const int64_t c_sb = k_cache.stride(0), c_ss = k_cache.stride(1), c_sh = k_cache.stride(2);
+  // The scales are contiguous (num_blocks, block_size, H_kv): slot s, head h at s * H_kv + h.
 
   const int64_t num_blocks = k_cache.size(0);
   const int64_t tile_rows = std::max<int64_t>(1, tile::TILE_M / group);
@@ -158,14 +158,18 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     std::vector<float> q_buf(num_kv_heads * m_cap * head_dim), acc(q_buf.size());
     std::vector<float> row_max(num_kv_heads * m_cap), row_sum(row_max.size());
     std::vector<float> scores(m_cap * KEY_TILE), k_buf(head_dim);
-    std::vector<float> v_buf(std::is_same_v<scalar_t, float> ? 0 : KEY_TILE * head_dim);
+    float v_scales[KEY_TILE];  // a quantized tile's V scales (p s_v weighs each row)
+    std::vector<float> v_buf(std::is_same_v<cache_t, float> ? 0 : KEY_TILE * head_dim);
     std::vector<int64_t> pos(m_cap);
     std::optional<tile::Scratch> tile_scratch;  // allocated by the first tiled item
-    const tile::Batch<scalar_t> batch{q_ptr, k_ptr, v_ptr, o_ptr, q_st, q_sh, o_st, o_sh,
-                                      c_sb, c_ss, c_sh, block_size, num_kv_heads, group,
-                                      head_dim, scale};
+    const tile::Batch<scalar_t, cache_t> batch{q_ptr, k_ptr, v_ptr, o_ptr, k_scale, v_scale,
+                                               q_st, q_sh, o_st, o_sh, c_sb, c_ss, c_sh,
+                                               block_size, num_kv_heads, group, head_dim,
+                                               scale};
     int64_t key_off[KEY_TILE];   // cache offset of each key of the tile, at KV head 0
+    int64_t key_slot[KEY_TILE];  // its slot (the scales' index is slot * H_kv + head)
     int64_t next_off[KEY_TILE];  // the same for the next tile
+    int64_t next_slot[KEY_TILE];
     const float* v_rows[KEY_TILE];
 
     for (int64_t w = bounds[part_begin]; w < bounds[part_end]; ++w) {
@@ -208,12 +212,14 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
         const int64_t kt = std::min(KEY_TILE, num_keys - t0);
         for (int64_t j = 0; j < kt; ++j) {  // key t lives in block table[t / bs], slot t % bs
           const int64_t t = t0 + j;
+          key_slot[j] = table[t / block_size] * block_size + t % block_size;
           key_off[j] = table[t / block_size] * c_sb + (t % block_size) * c_ss;
         }
         // Where the next tile's keys are, to prefetch them while this tile is scored.
         const int64_t next_kt = std::clamp<int64_t>(num_keys - t0 - KEY_TILE, 0, KEY_TILE);
         for (int64_t j = 0; j < next_kt; ++j) {
           const int64_t t = t0 + KEY_TILE + j;
+          next_slot[j] = table[t / block_size] * block_size + t % block_size;
           next_off[j] = table[t / block_size] * c_sb + (t % block_size) * c_ss;
         }
         // Every KV head of the tile while its rows are in cache: a token's heads are
@@ -228,23 +234,33 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
             // requests overlap the arithmetic: blocks sit anywhere in the cache, where
             // no hardware prefetcher looks, and each load would wait for memory.
             if (j < next_kt) {
-              for (int64_t d = 0; d < head_dim; d += 64 / sizeof(scalar_t)) {  // a cache line
+              for (int64_t d = 0; d < head_dim; d += 64 / sizeof(cache_t)) {  // a cache line
                 __builtin_prefetch(k_ptr + next_off[j] + h * c_sh + d);
                 __builtin_prefetch(v_ptr + next_off[j] + h * c_sh + d);
               }
+              if constexpr (is_quantized_v<cache_t>) {  // and the key's scales, once
+                if (h == 0) {
+                  __builtin_prefetch(k_scale + next_slot[j] * num_kv_heads);
+                  __builtin_prefetch(v_scale + next_slot[j] * num_kv_heads);
+                }
+              }
             }
             const int64_t off = key_off[j] + h * c_sh;
-            if constexpr (std::is_same_v<scalar_t, float>) {
-              v_rows[j] = v_ptr + off;
-            } else {  // one float32 copy of the tile's V rows
-              float* vb = v_buf.data() + j * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) vb[d] = static_cast<float>(v_ptr[off + d]);
-              v_rows[j] = vb;
-            }
+            // V as float32: a float32 cache's rows in place, else one float32 copy of
+            // the tile's rows (widened; a quantized row's codes, its scale kept aside).
+            v_rows[j] = row_as_float(v_ptr + off, v_buf.data() + j * head_dim, head_dim);
             // Scores: each key row is loaded once and dotted with every query vector.
-            const float* k = as_float(k_ptr + off, k_buf.data(), head_dim);
-            for (int64_t m = 0; m < m_count; ++m) {
-              scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim);
+            const float* k = row_as_float(k_ptr + off, k_buf.data(), head_dim);
+            if constexpr (is_quantized_v<cache_t>) {  // s_k (q . codes)
+              const float ks = k_scale[key_slot[j] * num_kv_heads + h];
+              v_scales[j] = v_scale[key_slot[j] * num_kv_heads + h];
+              for (int64_t m = 0; m < m_count; ++m) {
+                scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim) * ks;
+              }
+            } else {
+              for (int64_t m = 0; m < m_count; ++m) {
+                scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim);
+              }
             }
           }
           // Online softmax: mask, then fold this tile's scores into the running max and sum.
@@ -263,6 +279,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
             for (int64_t j = 0; j < kt; ++j) {
               s[j] = j < visible ? fast_exp(s[j] - new_max) : 0.f;
               tile_sum += s[j];
+            }
+            if constexpr (is_quantized_v<cache_t>) {  // weigh each V row's codes by p s_v
+              for (int64_t j = 0; j < kt; ++j) s[j] *= v_scales[j];
             }
             sum_h[m] = sum_h[m] * alpha + tile_sum;
             max_h[m] = new_max;
@@ -304,7 +323,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
 void paged_attention(at::Tensor& out, const at::Tensor& query,
                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, bool gemm_prefill) {
+                     const at::Tensor& query_start_loc, double scale, bool gemm_prefill,
+                     const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: (T, H, D)");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache/v_cache: (num_blocks, block_size, H_kv, D)");
@@ -313,17 +334,21 @@ void paged_attention(at::Tensor& out, const at::Tensor& query,
               "head_dim must have unit stride");
   TORCH_CHECK(k_cache.size(3) == query.size(2), "cache head_dim must equal query head_dim");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of H_kv");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == query.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, caches and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "query and out must share a dtype, and so must the caches");
+  const auto [ks, vs] = cache_scales(k_cache, k_scale, v_scale);
   for (const auto* t : {&block_tables, &seq_lens, &query_start_loc}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1,
                 "block_tables, seq_lens and query_start_loc must be int32, rows contiguous");
   }
   MINIVLLM_DISPATCH(query.scalar_type(), "paged_attention", [&] {
-    attention_kernel<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                               query_start_loc, static_cast<float>(scale), gemm_prefill);
+    with_cache_type<scalar_t>(k_cache.scalar_type(), [&](auto tag) {
+      using cache_t = typename decltype(tag)::type;
+      attention_kernel<scalar_t, cache_t>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                          query_start_loc, static_cast<float>(scale),
+                                          gemm_prefill, ks, vs);
+    });
   });
 }
 

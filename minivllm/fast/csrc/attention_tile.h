@@ -28,6 +28,7 @@
 // AVX-512 and NEON); the rest is plain loops.
 #pragma once
 
+#include "kv_cache.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -101,10 +102,14 @@ struct Scratch {
 };
 
 // What an item needs to know about the batch (pointers and strides of the op).
-template <typename scalar_t>
+// cache_t: the cache's element type, scalar_t or a quantized code (kv_cache.h) whose
+// scales k_s / v_s are contiguous (num_blocks, block_size, H_kv) (null for a float cache).
+template <typename scalar_t, typename cache_t>
 struct Batch {
-  const scalar_t *q, *k, *v;
+  const scalar_t* q;
+  const cache_t *k, *v;
   scalar_t* o;
+  const float *k_s, *v_s;
   int64_t q_st, q_sh, o_st, o_sh;  // token / head strides of query and out
   int64_t c_sb, c_ss, c_sh;        // block / slot / head strides of the caches
   int64_t block_size, num_kv_heads, group, head_dim;
@@ -113,8 +118,8 @@ struct Batch {
 
 // Query rows [row_begin, row_end) of one sequence (first row of the batch q0,
 // ctx cached keys before the step, block table `table`), every KV head.
-template <typename scalar_t>
-void attend_rows(const Batch<scalar_t>& b, const int32_t* table, int64_t q0, int64_t ctx,
+template <typename scalar_t, typename cache_t>
+void attend_rows(const Batch<scalar_t, cache_t>& b, const int32_t* table, int64_t q0, int64_t ctx,
                  int64_t row_begin, int64_t row_end, Scratch& w) {
   constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t D = b.head_dim, dp = w.dp, group = b.group;
@@ -145,18 +150,20 @@ void attend_rows(const Batch<scalar_t>& b, const int32_t* table, int64_t q0, int
     for (int64_t t0 = 0; t0 < num_keys; t0 += NK) {
       const int64_t kt = std::min(NK, num_keys - t0);
       const int64_t kt_pad = (kt + MR - 1) / MR * MR;
-      // Pack the tile's K and V rows as float32 (rows past kt keep old values:
-      // their scores are masked, and P V stops at kt).
+      // Pack the tile's K and V rows as float32, dequantized if the cache is (rows
+      // past kt keep old values: their scores are masked, and P V stops at kt).
       for (int64_t j = 0; j < kt; ++j) {
         const int64_t t = t0 + j;  // key t lives in block table[t / bs], slot t % bs
-        const int64_t off = table[t / b.block_size] * b.c_sb + (t % b.block_size) * b.c_ss +
-                            h * b.c_sh;
-        const scalar_t* kr = b.k + off;
-        const scalar_t* vr = b.v + off;
-        float* __restrict kj = w.k.data() + j * D;
-        float* __restrict vj = w.v.data() + j * dp;
-        for (int64_t d = 0; d < D; ++d) kj[d] = static_cast<float>(kr[d]);
-        for (int64_t d = 0; d < D; ++d) vj[d] = static_cast<float>(vr[d]);
+        const int64_t block = table[t / b.block_size];
+        const int64_t off = block * b.c_sb + (t % b.block_size) * b.c_ss + h * b.c_sh;
+        float ks = 1.f, vs = 1.f;
+        if constexpr (is_quantized_v<cache_t>) {
+          const int64_t s = (block * b.block_size + t % b.block_size) * b.num_kv_heads + h;
+          ks = b.k_s[s];
+          vs = b.v_s[s];
+        }
+        dequantize_row(b.k + off, ks, w.k.data() + j * D, D);
+        dequantize_row(b.v + off, vs, w.v.data() + j * dp, D);
       }
       // Ask for the next tile's rows now: blocks sit anywhere in the cache (no
       // hardware prefetcher follows them), and the two GEMMs below take long
@@ -164,7 +171,7 @@ void attend_rows(const Batch<scalar_t>& b, const int32_t* table, int64_t q0, int
       for (int64_t t = t0 + NK; t < std::min(t0 + 2 * NK, num_keys); ++t) {
         const int64_t off = table[t / b.block_size] * b.c_sb + (t % b.block_size) * b.c_ss +
                             h * b.c_sh;
-        for (int64_t d = 0; d < D; d += 64 / sizeof(scalar_t)) {  // a cache line
+        for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t)) {  // a cache line
           __builtin_prefetch(b.k + off + d);
           __builtin_prefetch(b.v + off + d);
         }

@@ -13,7 +13,8 @@
 //
 //   for each layer:
 //     hidden = rms_norm(residual)              (layer 0; later: residual += hidden first)
-//     qkv = hidden W_qkv^T ; rope(q, k) ; write k, v into the paged cache
+//     qkv = hidden W_qkv^T ; rope(q, k) ; write k, v into the paged cache (quantized
+//                                              into an int8 / fp8 cache, with its scales)
 //     attn = paged_attention(q, cache) ; hidden = attn W_o^T
 //     residual += hidden ; hidden = rms_norm(residual)
 //     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
@@ -81,9 +82,15 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
                    at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double scale) {
+                   int64_t num_kv_heads, int64_t head_dim, double scale,
+                   at::TensorList k_scales, at::TensorList v_scales) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one V cache a layer");
+  // A quantized cache (int8 / fp8) has its scales beside it, one pair a layer; a float none.
+  const bool quantized_cache = !k_scales.empty();
+  TORCH_CHECK(static_cast<int64_t>(v_scales.size()) == static_cast<int64_t>(k_scales.size()) &&
+                  (!quantized_cache || static_cast<int64_t>(k_scales.size()) == L),
+              "decode_layers: k_scales and v_scales: one a layer (a quantized cache) or none");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L,
               "decode_layers: norms and eps: 2 per layer (input, post-attention)");
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == PROJECTIONS_PER_LAYER * L &&
@@ -121,9 +128,14 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
     project(qkv, hidden, kind[0], w);
     rotary_embedding(positions, q, k, cos_sin_cache, is_neox);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
-    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping);
+    std::optional<at::Tensor> k_scale, v_scale;
+    if (quantized_cache) {
+      k_scale = k_scales[i];
+      v_scale = v_scales[i];
+    }
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
     paged_attention(attn_out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                    scale, /*gemm_prefill=*/true);
+                    scale, /*gemm_prefill=*/true, k_scale, v_scale);
     project(hidden, attn_rows, kind[1], w + TENSORS_PER_PROJECTION);
     fused_add_rms_norm(hidden, residual, norms[2 * i + 1], eps[2 * i + 1]);
     project(gate_up, hidden, kind[2], w + 2 * TENSORS_PER_PROJECTION);

@@ -112,10 +112,13 @@ inline float fast_exp(float x) {
 void paged_attention(at::Tensor& out, const at::Tensor& query,
                      const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, bool gemm_prefill);
+                     const at::Tensor& query_start_loc, double scale, bool gemm_prefill,
+                     const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        at::Tensor& k_cache, at::Tensor& v_cache,
-                       const at::Tensor& slot_mapping);
+                       const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                       const std::optional<at::Tensor>& v_scale);
 void copy_blocks(at::TensorList k_caches, at::TensorList v_caches,
                  const at::Tensor& block_mapping);
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
@@ -154,7 +157,8 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
                    at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double scale);
+                   int64_t num_kv_heads, int64_t head_dim, double scale,
+                   at::TensorList k_scales, at::TensorList v_scales);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 
 }  // namespace minivllm

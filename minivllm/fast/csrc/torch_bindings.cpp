@@ -13,10 +13,11 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "bool gemm_prefill=True) -> ()");
+      "bool gemm_prefill=True, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  // k_scale / v_scale: the scales of an int8 / fp8 cache (kv_cache.h), written beside it.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   // Whole blocks src -> dst for every layer's K and V (copy-on-write), in one call.
   m.def("copy_blocks(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float eps) -> ()");
@@ -58,7 +59,8 @@ TORCH_LIBRARY(minivllm, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor cos_sin_cache, bool is_neox, Tensor[] norms, float[] eps, Tensor[] weights, "
       "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
-      "int num_kv_heads, int head_dim, float scale) -> ()");
+      "int num_kv_heads, int head_dim, float scale, Tensor(e!)[] k_scales, "
+      "Tensor(f!)[] v_scales) -> ()");
   // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   // Each token's own LoRA adapter delta, tokens grouped by adapter slot (lora.cpp).
