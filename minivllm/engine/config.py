@@ -20,8 +20,8 @@ import torch
 from minivllm import backend
 from minivllm.config import _require, check_block_size, check_chunked_prefill
 from minivllm.dtype import DTYPES
-from minivllm.lora.manager import LoRAConfig
 from minivllm.kv_quant import check_kv_cache_dtype
+from minivllm.lora.manager import LoRAConfig
 from minivllm.model.quantization import check_quantization
 from minivllm.pp_stages import parse_partition
 from minivllm.sampling_params import SEED_MAX, SEED_MIN
