@@ -230,3 +230,16 @@ def test_n_refuses_bad_input_and_aborts_whole(tiny_model_dir):
     assert engine.step() == []
     out = llm.generate([{"prompt_token_ids": [2, 7]}], SamplingParams(n=2, max_tokens=3))[0]
     assert len(out.outputs) == 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_n_forks_a_quantized_kv_cache_with_its_scales(tiny_model_dir, kv_cache_dtype):
+    """Copy-on-write of a quantized cache copies the blocks' scales too: every greedy
+    completion equals the lone greedy request on the same quantized cache."""
+    path = tiny_model_dir("llama")
+    prompt = {"prompt_token_ids": random_prompts(1, [10], seed=6)[0]}  # a partial last block
+    llm = make_llm(path, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    sp = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([prompt], SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    group = llm.generate([prompt], SamplingParams(n=3, **sp), use_tqdm=False)[0]
+    assert [list(c.token_ids) for c in group.outputs] == [list(alone.token_ids)] * 3

@@ -198,7 +198,11 @@ class Worker:
         if step_input.blocks_to_copy:
             mapping = torch.tensor(step_input.blocks_to_copy, dtype=torch.int64,
                                    device=self.device)  # (num_copies, 2): src, dst
-            self.components.cache_write.copy_blocks(self.kv_caches, mapping)
+            copy = self.components.cache_write.copy_blocks
+            copy([kv[:2] for kv in self.kv_caches], mapping)
+            if len(self.kv_caches[0]) > 2:  # a quantized cache: the scales go with the codes
+                copy([(ks.unsqueeze(-1), vs.unsqueeze(-1))  # (num_blocks, bs, H_kv, 1)
+                      for _, _, ks, vs in self.kv_caches], mapping)
         model_input = ModelInput.build(
             self.block_tables, step_input.req_ids, step_input.query_lens, step_input.seq_lens,
             step_input.input_ids, step_input.positions, step_input.logits_indices, self.device)
