@@ -44,8 +44,10 @@ dequantized copy. The Triton kernels widen the codes to the query's dtype
 (exact: every int8 and e4m3 value is a bf16 / fp16 value) and take each key's
 scale out of the dot products, ``q . (s k) = s (q . k)`` on the scores and
 ``sum_t p_t s_t v_t`` by scaling the probabilities: one multiply per key, not
-per element. The C++ op dequantizes each row into an L1 buffer as it reads it
-(``csrc/kv_cache.h``). The ref dequantizes each sequence's gathered rows.
+per element. The C++ op does the same in its decode loop, each row's codes
+widened into an L1 buffer as it reads them (``csrc/kv_cache.h``); its prefill
+tiles dequantize the rows as they pack them. The ref dequantizes each
+sequence's gathered rows.
 
 ``gather_kv`` is the ref's helper, re-exported so that both twins have the
 same public names; the kernels here do not use it.
