@@ -378,9 +378,11 @@ def test_compile_time_cap_is_an_engine_option(tiny_model_dir):
 # SmolLM2: fixed constraints, sampled at temperature > 0
 # --------------------------------------------------------------------------
 
+# Unbounded strings: one DFA state for a string's characters (the ref walks the 49k
+# vocabulary once per new state; a maxLength of 30 would be 30 states).
 PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
-    "city": {"type": "string", "maxLength": 30}}, "required": ["name", "age", "city"]}  # fmt: skip
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "city": {"type": "string"}}, "required": ["name", "age", "city"]}  # fmt: skip
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 MOODS = ["positive", "negative", "neutral"]
 
@@ -401,14 +403,11 @@ def test_smollm2_answers_follow_the_constraints(smollm2_dir):
 
     prompts = [chat("Describe a person as JSON with name, age and city."),
                chat("When did the first Moon landing happen? Answer with a date."),
-               chat("Is 'I loved this film' positive, negative or neutral?"),
-               chat("Give me a made-up customer record.")]
-    outs = run(llm, prompts, [sp(1, json=PERSON), sp(2, regex=DATE), sp(3, choice=MOODS),
-                              sp(4, json=PERSON)])
+               chat("Is 'I loved this film' positive, negative or neutral?")]
+    outs = run(llm, prompts, [sp(1, json=PERSON), sp(2, regex=DATE), sp(3, choice=MOODS)])
     try:
-        for c in (outs[0], outs[3]):
-            assert c.finish_reason == "stop", c
-            jsonschema.validate(json.loads(c.text), PERSON)
+        assert outs[0].finish_reason == "stop", outs[0]
+        jsonschema.validate(json.loads(outs[0].text), PERSON)
         assert outs[1].finish_reason == "stop" and re.fullmatch(DATE, outs[1].text)
         assert outs[2].finish_reason == "stop" and outs[2].text in MOODS
         assert_clean(llm)
