@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from minivllm.request import Request, RequestStatus
@@ -71,8 +72,8 @@ class StructuredOutputs:
         self._backend = None  # built at the first constrained request (reads the vocabulary)
         self._backend_lock = threading.Lock()  # the server's compile thread may build it
         self._bitmask: torch.Tensor | None = None  # (rows, W) int32 on the host, reused
-        self._valid_bits: torch.Tensor | None = None  # (W,) int32: the ids below vocab_size
-        self._suppress_cache: dict[frozenset[int], torch.Tensor] = {}  # min_tokens' masks
+        self._valid_bits: np.ndarray | None = None  # (W,) int32: the ids below vocab_size
+        self._suppress_cache: dict[frozenset[int], np.ndarray] = {}  # min_tokens' masks
 
     def __bool__(self) -> bool:
         return bool(self.grammars)
@@ -210,10 +211,10 @@ class StructuredOutputs:
             self._bitmask = self.impl.allocate_token_bitmask(size, self.vocab_size)
             valid = torch.zeros(32 * self._bitmask.shape[1], dtype=torch.bool)
             valid[: self.vocab_size] = True
-            self._valid_bits = pack_bitmask(valid)
+            self._valid_bits = pack_bitmask(valid).numpy()
         return self._bitmask[:num_rows]
 
-    def _unsuppressed(self, req: Request) -> torch.Tensor:  # (W,) int32
+    def _unsuppressed(self, req: Request) -> np.ndarray:  # (W,) int32
         """Every id but EOS and ``req``'s stop ids (what ``min_tokens`` leaves the sampler)."""
         ids = set(req.sampling_params.stop_token_ids)
         if req.eos_token_id is not None:
@@ -222,7 +223,7 @@ class StructuredOutputs:
         if key not in self._suppress_cache:
             keep = torch.ones(32 * self._bitmask.shape[1], dtype=torch.bool)
             keep[list(key)] = False
-            self._suppress_cache[key] = pack_bitmask(keep)
+            self._suppress_cache[key] = pack_bitmask(keep).numpy()
         return self._suppress_cache[key]
 
     def _dead_ends(self, bitmask: torch.Tensor,
@@ -233,13 +234,15 @@ class StructuredOutputs:
         those bits do not count; a constraint that then allows nothing else
         (it admits only an output shorter than ``min_tokens``) is a dead end too.
         """
-        live = bitmask[[row for row, _ in filled]] & self._valid_bits  # (R, W)
+        # numpy on the host bitmask's memory: a few microseconds, where torch's
+        # per-op overhead would cost more than filling the rows.
+        live = bitmask.numpy()[[row for row, _ in filled]] & self._valid_bits  # (R, W)
         below_min = [i for i, (_, req) in enumerate(filled)
                      if req.num_output_tokens < req.sampling_params.min_tokens]
         for i in below_min:
             live[i] &= self._unsuppressed(filled[i][1])
         dead = []
-        for i in torch.nonzero(~live.any(dim=1)).flatten().tolist():
+        for i in np.flatnonzero(~live.any(axis=1)).tolist():
             req = filled[i][1]
             why = (f" (min_tokens={req.sampling_params.min_tokens} suppresses EOS and the "
                    f"stop ids)" if i in below_min else "")
