@@ -26,5 +26,5 @@ def test_bench_end_to_end_runs_on_a_tiny_model(tiny_model_dir):
     assert [(r["twin"], r["batch"]) for r in rows] == [("ref", 1), ("ref", 3), ("fast", 1),
                                                        ("fast", 3)]
     assert all(r["tokens"] >= r["batch"] and r["constrained_ms"] > 0
-               and r["unconstrained_ms"] > 0 for r in rows)
+               and r["unconstrained_ms"] > 0 and 0 < r["mask_share"] < 1 for r in rows)
 

@@ -202,8 +202,13 @@ def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2
     number of tokens with the same batch over time. Prefix caching is off (a
     second run would find the prompt cached). A warm-up run first (it compiles
     the constraint, and warms the ref's per-state masks, so the ref is timed
-    warm); then the best of ``repeats`` runs of each. ``speed`` is unconstrained
-    ms per token over constrained (1.0: constraints cost nothing).
+    warm); then ``repeats`` rounds of one constrained and one unconstrained
+    run, alternated so that a change in the machine's load hits both, and the
+    best of each. ``speed`` is unconstrained ms per token over constrained
+    (1.0: constraints cost nothing). ``mask_ms``: the time of the engine's own
+    structured-output calls (``mask_logits`` + ``advance``) per output token in
+    the constrained runs, and ``mask_share`` their share of the run: a figure a
+    busy machine disturbs less than a ratio of two runs.
     """
     from minivllm import LLM, SamplingParams
 
@@ -218,6 +223,7 @@ def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2
         text = tok.apply_chat_template([{"role": "user", "content": E2E_PROMPT}],
                                        tokenize=False, add_generation_prompt=True)
         prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        spent = _time_structured_calls(llm.llm_engine.structured)
         try:
             for b in batch_sizes:
                 constrained = [SamplingParams(temperature=0.7, seed=i, max_tokens=max_tokens,
@@ -226,16 +232,22 @@ def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2
                 lengths = [len(o.outputs[0].token_ids) for o in outs]
                 plain = [SamplingParams(temperature=0.7, seed=i, max_tokens=n, ignore_eos=True)
                          for i, n in enumerate(lengths)]
-                times = {}
-                for name, sps in (("constrained", constrained), ("unconstrained", plain)):
-                    best = float("inf")
-                    for _ in range(repeats):
+                best = {"constrained": float("inf"), "unconstrained": float("inf")}
+                mask_s = wall_s = 0.0
+                for _ in range(repeats):
+                    for name, sps in (("constrained", constrained), ("unconstrained", plain)):
+                        spent[0] = 0.0
                         start = time.perf_counter()
                         llm.generate([prompt] * b, sps, use_tqdm=False)
-                        best = min(best, time.perf_counter() - start)
-                    times[name] = 1e3 * best / sum(lengths)
+                        elapsed = time.perf_counter() - start
+                        best[name] = min(best[name], elapsed)
+                        if name == "constrained":
+                            mask_s, wall_s = mask_s + spent[0], wall_s + elapsed
+                times = {name: 1e3 * t / sum(lengths) for name, t in best.items()}
                 valid = sum(_valid_json(o.outputs[0].text) for o in outs)
                 rows.append(dict(twin=twin, batch=b, tokens=sum(lengths),
+                                 mask_ms=1e3 * mask_s / (repeats * sum(lengths)),
+                                 mask_share=mask_s / wall_s,
                                  constrained_ms=times["constrained"],
                                  unconstrained_ms=times["unconstrained"],
                                  speed=times["unconstrained"] / times["constrained"],
@@ -243,6 +255,24 @@ def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2
         finally:
             llm.shutdown()
     return rows
+
+
+def _time_structured_calls(so) -> list[float]:
+    """Wrap the engine's ``mask_logits`` and ``advance`` (on this instance only) to add
+    their wall time to the returned one-element list."""
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    so.mask_logits, so.advance = timed(so.mask_logits), timed(so.advance)
+    return spent
 
 
 def _valid_json(text: str) -> bool:
@@ -305,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         print("end to end, SmolLM2, json_schema case (ms per output token; speed = "
               "unconstrained / constrained, target >= 0.95 at B = 1, >= 0.9 at B = 64)")
         print(f"{'twin':<5}{'B':>4}{'tokens':>8}{'unconstrained':>15}{'constrained':>13}"
-              f"{'speed':>8}{'valid':>8}")
+              f"{'speed':>8}{'mask ms/tok':>13}{'mask share':>12}{'valid':>8}")
         for r in e2e:
             print(f"{r['twin']:<5}{r['batch']:>4}{r['tokens']:>8}{r['unconstrained_ms']:>15.2f}"
-                  f"{r['constrained_ms']:>13.2f}{r['speed']:>8.2f}{r['valid']:>5}/{r['batch']}")
+                  f"{r['constrained_ms']:>13.2f}{r['speed']:>8.2f}{r['mask_ms']:>13.3f}"
+                  f"{r['mask_share']:>11.1%}{r['valid']:>5}/{r['batch']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(masks=masks, apply=applied, engines=engines,
