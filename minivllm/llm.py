@@ -219,7 +219,7 @@ class LLM:
     def _validate(self, encoded, params) -> None:
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             try:
-                self.llm_engine.validate_prompt(ids, sp)
+                self.llm_engine.input_processor.validate_prompt(ids, sp)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
 

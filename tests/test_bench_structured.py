@@ -18,5 +18,13 @@ def test_bench_parts_run_and_report_every_case():
     assert all(r["tokens"] > 1 and r["cold_mean_ms"] > 0 and r["compile_ms"] > 0 for r in rows)
     applied = structured.bench_apply(impls, 1000, batch_sizes=(3,), repeats=2)
     assert len(applied) == 2 and all(r["apply_ms"] > 0 for r in applied)
-    assert structured.bench_end_to_end(None) == []  # the hook: filled in with the engine
+
+
+def test_bench_end_to_end_runs_on_a_tiny_model(tiny_model_dir):
+    rows = structured.bench_end_to_end(("ref", "fast"), (1, 3), model=str(tiny_model_dir("llama")),
+                                       max_tokens=12, repeats=1)
+    assert [(r["twin"], r["batch"]) for r in rows] == [("ref", 1), ("ref", 3), ("fast", 1),
+                                                       ("fast", 3)]
+    assert all(r["tokens"] >= r["batch"] and r["constrained_ms"] > 0
+               and r["unconstrained_ms"] > 0 and 0 < r["mask_share"] < 1 for r in rows)
 

@@ -23,9 +23,9 @@ Ratios (ref / fast) come from the same run. Times are wall-clock medians or
 means of ``time.perf_counter`` on this machine; on a shared CPU read the ratios,
 not the absolute numbers.
 
-The end-to-end part (constrained against unconstrained decoding, ms per output
-token at B = 1 and B = 64) needs the engine to serve structured outputs: see
-:func:`bench_end_to_end`, the hook left for it.
+- **end to end** (``--no-e2e`` skips it): SmolLM2 answering with the json_schema
+  case's schema against the same prompts unconstrained, ms per output token at
+  B = 1 and B = 64 (``--batch-sizes``) and their ratio (:func:`bench_end_to_end`).
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ import torch
 
 from minivllm.sampling_params import StructuredOutputsParams
 
-#: (name, constraint, a valid answer): the answers are tokenized by SmolLM2's tokenizer.
-PERSON = {"type": "object", "properties": {
+#: The json_schema case's schema, as JSON text (a string: a module constant that cannot change).
+PERSON = json.dumps({"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "age": {"type": "integer"},
     "email": {"type": "string"},
     "languages": {"type": "array", "items": {"enum": ["English", "French", "中文"]},
                   "minItems": 1, "maxItems": 3},
     "score": {"type": "number"}},
-    "required": ["name", "age", "languages"]}  # fmt: skip
+    "required": ["name", "age", "languages"]}, ensure_ascii=False)  # fmt: skip
+#: (name, constraint, a valid answer): the answers are tokenized by SmolLM2's tokenizer.
 CASES = (
     ("json_schema", StructuredOutputsParams(json=PERSON),
      json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org",
@@ -186,16 +187,104 @@ def _key(params):
     return constraint_key(params)
 
 
-def bench_end_to_end(args: argparse.Namespace) -> list[dict]:
-    """HOOK for the lead: the end-to-end part, once the engine serves structured outputs.
+E2E_PROMPT = ("Describe a famous scientist as a JSON object with their name, age, email, "
+              "languages and a score.")
 
-    To measure: ``LLM("smollm2")`` generating the json_schema case's kind of answer
-    with ``SamplingParams(structured_outputs=...)`` against the same prompts
-    unconstrained, at B = 1 and B = 64 (``--batch-sizes``), reporting ms per
-    output token for each and their ratio, per twin. Returns [] until then.
+
+def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2",
+                     max_tokens: int = 96, repeats: int = 2, backend=None) -> list[dict]:
+    """End to end: ms per output token constrained (the json_schema case) vs unconstrained.
+
+    For each twin and batch size ``B``: ``B`` copies of a chat prompt asking for
+    the json_schema case's kind of answer, sampled (temperature 0.7, seeds
+    ``0..B-1``) with ``SamplingParams(structured_outputs=...)``; then the same
+    prompts unconstrained with ``ignore_eos`` and each request's ``max_tokens``
+    set to what its constrained twin produced, so both runs decode the same
+    number of tokens with the same batch over time. Prefix caching is off (a
+    second run would find the prompt cached). A warm-up run first (it compiles
+    the constraint, and warms the ref's per-state masks, so the ref is timed
+    warm); then ``repeats`` rounds of one constrained and one unconstrained
+    run, alternated so that a change in the machine's load hits both, and the
+    best of each. ``speed`` is unconstrained ms per token over constrained
+    (1.0: constraints cost nothing). ``mask_ms``: the time of the engine's own
+    structured-output calls (``mask_logits`` + ``advance``) per output token in
+    the constrained runs, and ``mask_share`` their share of the run: a figure a
+    busy machine disturbs less than a ratio of two runs.
     """
-    # LEAD: end-to-end constrained vs unconstrained ms per output token (B = 1, 64) goes here.
-    return []
+    from minivllm import LLM, SamplingParams
+
+    params = CASES[0][1]
+    rows = []
+    for twin in twins:
+        spec = dict(backend or {})
+        spec["structured_output"] = twin
+        llm = LLM(model, backend=spec or None, enable_prefix_caching=False,
+                  max_num_seqs=max(batch_sizes), max_model_len=512)
+        tok = llm.get_tokenizer()
+        text = tok.apply_chat_template([{"role": "user", "content": E2E_PROMPT}],
+                                       tokenize=False, add_generation_prompt=True)
+        prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        spent = _time_structured_calls(llm.llm_engine.structured)
+        try:
+            for b in batch_sizes:
+                constrained = [SamplingParams(temperature=0.7, seed=i, max_tokens=max_tokens,
+                                              structured_outputs=params) for i in range(b)]
+                outs = llm.generate([prompt] * b, constrained, use_tqdm=False)  # warm-up
+                lengths = [len(o.outputs[0].token_ids) for o in outs]
+                plain = [SamplingParams(temperature=0.7, seed=i, max_tokens=n, ignore_eos=True)
+                         for i, n in enumerate(lengths)]
+                best = {"constrained": float("inf"), "unconstrained": float("inf")}
+                mask_s = wall_s = 0.0
+                for _ in range(repeats):
+                    for name, sps in (("constrained", constrained), ("unconstrained", plain)):
+                        spent[0] = 0.0
+                        start = time.perf_counter()
+                        llm.generate([prompt] * b, sps, use_tqdm=False)
+                        elapsed = time.perf_counter() - start
+                        best[name] = min(best[name], elapsed)
+                        if name == "constrained":
+                            mask_s, wall_s = mask_s + spent[0], wall_s + elapsed
+                times = {name: 1e3 * t / sum(lengths) for name, t in best.items()}
+                valid = sum(_valid_json(o.outputs[0].text) for o in outs)
+                rows.append(dict(twin=twin, batch=b, tokens=sum(lengths),
+                                 mask_ms=1e3 * mask_s / (repeats * sum(lengths)),
+                                 mask_share=mask_s / wall_s,
+                                 constrained_ms=times["constrained"],
+                                 unconstrained_ms=times["unconstrained"],
+                                 speed=times["unconstrained"] / times["constrained"],
+                                 valid=valid))
+        finally:
+            llm.shutdown()
+    return rows
+
+
+def _time_structured_calls(so) -> list[float]:
+    """Wrap the engine's ``mask_logits`` and ``advance`` (on this instance only) to add
+    their wall time to the returned one-element list."""
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    so.mask_logits, so.advance = timed(so.mask_logits), timed(so.advance)
+    return spent
+
+
+def _valid_json(text: str) -> bool:
+    """True if ``text`` is a JSON document valid under the json_schema case's schema."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), json.loads(PERSON))
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--engines", action="store_true",
                    help="also time xgrammar against llguidance (needs llguidance)")
+    p.add_argument("--no-e2e", action="store_true",
+                   help="skip the end-to-end part (SmolLM2 generating, constrained or not)")
+    p.add_argument("--e2e-twins", nargs="+", default=["fast"], choices=["ref", "fast"],
+                   help="twins timed end to end (default: fast; the ref is timed warm)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if args.threads:
@@ -238,9 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['engine']:<11}{r['case']:<13} set-up {r['setup_ms']:6.0f} ms  compile "
               f"{r['compile_ms']:7.2f} ms  per token {r['mean_ms']:7.3f} ms mean, "
               f"{r['p99_ms']:7.3f} ms p99")
-    e2e = bench_end_to_end(args)
-    if not e2e:
-        print("end to end: not measured yet (the engine does not serve structured outputs yet)")
+    e2e = [] if args.no_e2e else bench_end_to_end(args.e2e_twins, args.batch_sizes)
+    if e2e:
+        print("end to end, SmolLM2, json_schema case (ms per output token; speed = "
+              "unconstrained / constrained, target >= 0.95 at B = 1, >= 0.9 at B = 64)")
+        print(f"{'twin':<5}{'B':>4}{'tokens':>8}{'unconstrained':>15}{'constrained':>13}"
+              f"{'speed':>8}{'mask ms/tok':>13}{'mask share':>12}{'valid':>8}")
+        for r in e2e:
+            print(f"{r['twin']:<5}{r['batch']:>4}{r['tokens']:>8}{r['unconstrained_ms']:>15.2f}"
+                  f"{r['constrained_ms']:>13.2f}{r['speed']:>8.2f}{r['mask_ms']:>13.3f}"
+                  f"{r['mask_share']:>11.1%}{r['valid']:>5}/{r['batch']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(masks=masks, apply=applied, engines=engines,

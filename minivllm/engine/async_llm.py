@@ -43,6 +43,11 @@ remembers its own loop, so one ``AsyncLLM`` serves from any event loop (two
   pass failed, a tensor-parallel worker died), every waiting request
   receives :class:`EngineDeadError` and new requests are refused with it:
   nobody waits forever.
+- **Structured outputs.** A request's constraint (a JSON schema, a regex...)
+  is compiled on a thread of its own before the request is sent to the
+  engine thread (:meth:`AsyncLLM.add_requests`), with the engine's time cap:
+  a bad one is refused there, and a slow one stalls no stream. The engine's
+  own compile, at add, is then a hit in the compiled-constraint cache.
 - **Back-pressure.** At most ``max_num_seqs + max_waiting_requests`` requests
   are in flight; more raise :class:`QueueFullError` at once.
 """
@@ -58,6 +63,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from minivllm.engine.async_stream import (  # noqa: F401  (re-exported: the server imports them here)
     EngineDeadError,
@@ -115,6 +121,8 @@ class AsyncLLM:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
+        # Compiles constraints off the event loop and off the engine thread.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-grammar")
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLM:
@@ -207,6 +215,7 @@ class AsyncLLM:
             group = [RequestStream(request_id, loop, i, size) for i in range(size)]
             batch.append((text, ids_, params, group, lora[0] if lora else None))
             streams += group
+        await self._compile_constraints(batch)
         self._ensure_thread()
         for s in streams:
             self._streams[s.key] = s
@@ -218,6 +227,18 @@ class AsyncLLM:
             self._abort_soon(list(ids))
             raise
         return streams
+
+    async def _compile_constraints(self, batch) -> None:
+        """Compile each constrained request's constraint on the grammar thread (cached):
+        :class:`InvalidRequestError` names a refused one, before anything is queued."""
+        loop = asyncio.get_running_loop()
+        for index, (_, _, params, *_) in enumerate(batch):
+            if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+                try:
+                    await loop.run_in_executor(self._grammar_pool,
+                                               self.engine.structured.validate, params)
+                except ValueError as e:
+                    raise InvalidRequestError(str(e), index, len(batch)) from None
 
     @property
     def _engine_ids(self) -> set[str]:
@@ -249,6 +270,7 @@ class AsyncLLM:
         for stream in list(self._streams.values()):
             self._hand_over(stream, self.error)
         self._streams.clear()
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.engine.shutdown)
 
     # -- the two threads ----------------------------------------------------------
@@ -392,7 +414,7 @@ class AsyncLLM:
                 del self._routes[out.request_id]
             if out.error is not None:  # this request alone failed; it is already freed
                 for stream in group:
-                    self._hand_over(stream, _request_error(out))
+                    self._hand_over(stream, RequestError.of(out))
                 continue
             comps = list(out.outputs)
             if out.finished:  # a completion it did not report (a beam search that
@@ -403,7 +425,7 @@ class AsyncLLM:
                           if i not in shown and not stream.finished]
             for comp in comps:
                 stream = group[comp.index]
-                self._record(stream, out, comp, it)
+                it.record(stream, out, comp)
                 if not self._hand_over(stream, stream.delta(out, comp)) and not out.finished:
                     orphans.append(out.request_id)
         if orphans:
@@ -411,27 +433,6 @@ class AsyncLLM:
         for log in self.stat_loggers:
             log(stats, it)
         return bool(orphans)
-
-    @staticmethod
-    def _record(stream: RequestStream, out: RequestOutput, comp: CompletionOutput,
-                it: IterationStats) -> None:
-        if stream.last_token_time is None:
-            it.time_to_first_tokens.append(it.now - stream.arrival)
-            if comp.index == 0:  # a group's prompt is computed once
-                it.num_prompt_tokens += len(out.prompt_token_ids)
-        else:
-            it.inter_token_latencies.append(it.now - stream.last_token_time)
-        stream.last_token_time = it.now
-        it.num_generation_tokens += 1  # a step samples one token per request it reports
-        if comp.finish_reason is not None or out.finished:
-            it.finished.append((comp.finish_reason or "abort", it.now - stream.arrival))
-
-
-def _request_error(out: RequestOutput) -> RequestError:
-    error = RequestError(f"request {out.request_id!r} failed and was aborted: "
-                         f"{type(out.error).__name__}: {out.error}")
-    error.__cause__ = out.error
-    return error
 
 
 def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:

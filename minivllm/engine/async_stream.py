@@ -31,6 +31,13 @@ class RequestError(RuntimeError):
     the ``__cause__``.
     """
 
+    @classmethod
+    def of(cls, out: RequestOutput) -> RequestError:
+        error = cls(f"request {out.request_id!r} failed and was aborted: "
+                    f"{type(out.error).__name__}: {out.error}")
+        error.__cause__ = out.error
+        return error
+
 
 class InvalidRequestError(ValueError):
     """One request of a batch was refused (so none of the batch was queued).
@@ -84,6 +91,20 @@ class IterationStats:
     num_generation_tokens: int = 0
     #: (finish_reason, end-to-end latency) of each request that finished this step.
     finished: list[tuple[str, float]] = field(default_factory=list)
+
+    def record(self, stream: RequestStream, out: RequestOutput,
+               comp: CompletionOutput) -> None:
+        """Count one completion's new token of this step (and its end, if it ended)."""
+        if stream.last_token_time is None:
+            self.time_to_first_tokens.append(self.now - stream.arrival)
+            if comp.index == 0:  # a group's prompt is computed once
+                self.num_prompt_tokens += len(out.prompt_token_ids)
+        else:
+            self.inter_token_latencies.append(self.now - stream.last_token_time)
+        stream.last_token_time = self.now
+        self.num_generation_tokens += 1  # a step samples one token per request it reports
+        if comp.finish_reason is not None or out.finished:
+            self.finished.append((comp.finish_reason or "abort", self.now - stream.arrival))
 
 
 #: A stat logger gets every step's :class:`StepStats` and :class:`IterationStats`

@@ -185,6 +185,9 @@ class EngineConfig:
     (``"auto"``) or quantized, ``"int8"`` or ``"fp8"`` (= ``"fp8_e4m3"``), with
     a float32 scale per token and KV head: 3.8x the tokens of a float32 cache
     at head_dim 64, 1.9x of a bf16 one (docs/kv_cache.md).
+    ``structured_outputs_compile_timeout_s`` caps the compilation of one
+    request's constraint (a JSON schema, regex, choice or grammar; None: no
+    cap): a constraint that takes longer is refused with a ``ValueError``.
 
     Read once from the environment when left at None: ``pp_layer_partition``
     (``$MINIVLLM_PP_LAYER_PARTITION``), ``prepack`` (``$MINIVLLM_PREPACK``,
@@ -220,6 +223,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    structured_outputs_compile_timeout_s: float | None = 10.0
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one rule each); read the environment."""
@@ -272,6 +276,10 @@ class EngineConfig:
         t = self.distributed_timeout_s
         _require(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 86400,
                  "distributed_timeout_s", t, "a number of seconds in (0, 86400]")
+        c = self.structured_outputs_compile_timeout_s
+        _require(c is None or isinstance(c, (int, float)) and not isinstance(c, bool)
+                 and 0 < c <= 86400, "structured_outputs_compile_timeout_s", c,
+                 "None or a number of seconds in (0, 86400]")
         g = self.gpu_memory_utilization
         _require(isinstance(g, (int, float)) and not isinstance(g, bool) and 0.0 < g <= 1.0,
                  "gpu_memory_utilization", g, "a number in (0, 1]")

@@ -7,8 +7,10 @@ The loop that ties every component together (:meth:`LLMEngine.step`)::
     pending = executor.execute_model(step_input)     # every rank: update its block table,
                                                      # build metadata, run the forward
     logits = pending.result()                        # (num_sampled, vocab), on rank 0
+    structured.mask_logits(logits, reqs, drafts)     # constrained rows: -inf where forbidden
     rows = sampler.sample(logits, reqs, drafts)      # one token each (more when verifying drafts)
     finished = scheduler.update_from_output(so, ...) # append tokens, check stops, free blocks
+    structured.advance(rows, ...)                    # grammars accept; terminated: "stop"
     outputs = output_processor.process(rows, ...)    # text, stop strings, RequestOutputs
     speculator.propose(running)                      # drafts for the next step (if any)
 
@@ -51,6 +53,7 @@ from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.ranks import simulates_all_ranks
 from minivllm.engine.sampling import StepSampler
 from minivllm.engine.sequence_groups import SequenceGroups
+from minivllm.engine.structured import StructuredOutputs
 from minivllm.metadata import SchedulerOutput, StepInput
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.profiler import op_range
@@ -116,6 +119,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               eos_token_id, self.sampler)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Constrained requests' grammars: compiled at add, masks before sampling.
+        self.structured = StructuredOutputs(self.components.structured_output, self.tokenizer,
+                                            self.vocab_size, self.eos_token_id,
+                                            config.structured_outputs_compile_timeout_s)
         # Parallel sampling (n > 1) and beam search: requests that share blocks by fork.
         self.groups = SequenceGroups(self.scheduler, self.sampler, self.output_processor,
                                      self.input_processor)
@@ -145,11 +152,6 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int],
-                        sampling_params: SamplingParams) -> None:
-        """Raise ``ValueError`` if this prompt can never be served (see :mod:`.input_processor`)."""
-        self.input_processor.validate_prompt(prompt_token_ids, sampling_params)
-
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, request_id: str | None = None,
                     lora_request: Any = None) -> str:
@@ -167,11 +169,13 @@ class LLMEngine:
                                       lora_request)
         request, state, generator = self.input_processor.process(
             prompt, prompt_token_ids, sampling_params, request_id, lora_request)
+        grammar = self.structured.compile(sampling_params)  # ValueError naming the field
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         # Nothing below can fail: the request is now in the engine, whole.
         self.lora.hold_if_needed(request, self.scheduler)  # its adapter needs a free slot
         self.sampler.add_request(request, generator)
         self.output_processor.states[request_id] = state
+        self.structured.add(request_id, grammar)
         return request_id
 
     def _new_id(self, request_id: str | None) -> str:
@@ -195,6 +199,7 @@ class LLMEngine:
                       lora_request: Any) -> str:
         """Parallel sampling: ``n`` children, child 0 queued (see :mod:`.sequence_groups`)."""
         self._check_group(sampling_params.n, "n")
+        grammar = self.structured.compile(sampling_params)  # ValueError naming the field
         first = self.groups.add_parallel(
             prompt, prompt_token_ids, sampling_params, request_id, self.config.block_size,
             self.cache_config.num_blocks, self.scheduler_config.max_model_len, lora_request)
@@ -206,6 +211,9 @@ class LLMEngine:
             self.groups.forget(request_id)
             raise
         self.lora.hold_if_needed(first, self.scheduler)
+        if grammar is not None:  # each child from the same start state, its own copy
+            for i, cid in enumerate(self.groups.member_ids(request_id)):
+                self.structured.add(cid, grammar if i == 0 else grammar.fork())
         return request_id
 
     def add_beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams,
@@ -255,6 +263,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.output_processor.states.pop(request_id, None)
         self.sampler.remove_request(request_id)
+        self.structured.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
 
@@ -376,8 +385,10 @@ class LLMEngine:
             reqs, logits, drafts = self.groups.with_siblings(reqs, logits, drafts)
             reqs, logits, drafts = self.groups.take_beams(reqs, logits, drafts)
         with op_range("sample"):
+            # Constrained rows: -inf where the grammar forbids (dead ends leave the batch).
+            logits, reqs, drafts, dead = self.structured.mask_logits(logits, reqs, drafts)
             rows, failures, spec_stats = self.sampler.sample(logits, reqs, drafts)
-        outputs = [self._fail(req, e) for req, e in failures]
+        outputs = [self._fail(req, e) for req, e in dead + failures]
         if self.speculator is not None:  # each verification feeds the request's back-off
             for req, tokens, _ in rows:
                 d = so.scheduled_spec_decode_tokens.get(req.request_id, ())
@@ -391,6 +402,10 @@ class LLMEngine:
             finished_ids |= self.groups.fork_siblings(rows)
         # What the scheduler kept: a stop inside an accepted run drops the rest.
         rows = [(r, r.output_token_ids[num_before[r.request_id]:], lp) for r, _, lp in rows]
+        # The grammars take the kept tokens; a terminated one finishes its request ("stop").
+        failed, stopped = self.structured.advance(rows, finished_ids, self.scheduler)
+        outputs += [self._fail(req, e) for req, e in failed]
+        finished_ids |= stopped
         with op_range("detokenize"):
             outputs += self.output_processor.process(rows, finished_ids, self.scheduler)
         # Finished, stopped by a stop string, or failed while detokenizing: forgotten.
@@ -401,8 +416,9 @@ class LLMEngine:
             outputs += self.groups.step_beams(self.tokenizer)
         if self.speculator is not None:
             with op_range("propose"):
-                self.sampler.draft_probs = self.speculator.propose(self.scheduler.running,
-                                                                   step + 1)
+                # Constrained requests get no drafts (speculation is off for them).
+                self.sampler.draft_probs = self.speculator.propose(
+                    self.structured.unconstrained(self.scheduler.running), step + 1)
         return outputs, spec_stats
 
     def _stats(self, step: int, so: SchedulerOutput | None, outputs: list[RequestOutput],

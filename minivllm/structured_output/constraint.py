@@ -8,6 +8,7 @@ both, and two requests with the same constraint share one compiled grammar.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -50,25 +51,34 @@ def check_backend_options(cache_size: int, compile_timeout_s: float | None) -> N
 
 
 class CompileCache:
-    """Compiled constraints by :func:`constraint_key`, least recently used dropped first."""
+    """Compiled constraints by :func:`constraint_key`, least recently used dropped first.
+
+    Thread-safe: the server compiles a request's constraint on a thread of its
+    own (to validate it off the event loop) while the engine thread compiles
+    others; two threads compiling the same new constraint both compile it and
+    the second ``put`` wins, which is harmless.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._items: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def get(self, key: tuple[str, str]) -> Any | None:
         """The entry for ``key`` (now the most recently used), or None."""
-        if key in self._items:
-            self._items.move_to_end(key)
-            return self._items[key]
-        return None
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            return None
 
     def put(self, key: tuple[str, str], value: Any) -> None:
         """Add ``value``; drop the least recently used entries beyond ``capacity``."""
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)

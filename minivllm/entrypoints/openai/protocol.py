@@ -5,7 +5,9 @@ Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 extra sampling fields, which the ``openai`` client sends through
 ``extra_body``: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``. Unknown fields are accepted and ignored, as
+``include_stop_str_in_output``, ``structured_outputs``. Chat also takes
+OpenAI's ``response_format``, ``tools`` and ``tool_choice``; they become a
+:class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Unknown fields are accepted and ignored, as
 vLLM does (clients such as LangChain send fields minivllm has no use for); the
 server logs a warning naming them (:meth:`_Request.ignored_fields`). Fields
 that are known but not supported (``logit_bias``, ``echo``, ``suffix``) are a
@@ -98,6 +100,65 @@ def check_stop(limits: ServingLimits, stop: str | list[str] | None,
                             f"{len(longest)}", "stop")
 
 
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs`` extra (completions and chat): set exactly one field.
+
+    ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF) or
+    ``json_object``; see :class:`minivllm.StructuredOutputsParams`.
+    """
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's named JSON schema."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """Chat's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Request):
+    """A tool's function: its name and the JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """One entry of chat's ``tools`` (OpenAI's function tools)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice={"type": "function", "function": {"name": ...}}``: call that one."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class StreamOptions(_Request):
     """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
 
@@ -128,6 +189,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsField | None = None
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False
@@ -281,6 +343,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
+    # Structured outputs and tool calls (minivllm/entrypoints/openai/structured.py).
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def _check_unsupported(self) -> None:
         if self.logit_bias is not None:

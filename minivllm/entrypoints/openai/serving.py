@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -52,6 +53,14 @@ from minivllm.entrypoints.openai.protocol import (
     check_prompt_chars,
     check_text,
 )
+from minivllm.entrypoints.openai.structured import (
+    Constraint,
+    ToolCallFormat,
+    ToolCallStream,
+    compile_error,
+    request_constraint,
+)
+from minivllm.sampling_params import BeamSearchParams
 
 
 def sse(obj: dict | str) -> str:
@@ -143,8 +152,10 @@ class OpenAIServing:
             raise APIError(400, f"{field_name} must be in [0, {vocab}), got {bad[:5]}",
                            field_name)
 
-    async def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
+    async def chat_prompt(self, messages, add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation through the model's chat template (which may
+        describe ``tools`` to the model; most templates without tool support ignore them)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions",
                            "messages")
@@ -152,11 +163,13 @@ class OpenAIServing:
         check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
         for m in conv:
             check_text(m["content"], "messages")
-        return await self.off_loop(self._apply_chat_template, conv, add_generation_prompt)
+        return await self.off_loop(self._apply_chat_template, conv, add_generation_prompt, tools)
 
-    def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool,
+                             tools: list[dict] | None = None) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -182,27 +195,40 @@ class OpenAIServing:
         prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=req.model or self.model_name,
                     top_n=req.logprobs or 0)
-        return await self._create(req, prompts, kind, lora)
+        return await self._create(req, prompts, kind, lora, request_constraint(req))
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
         lora = self.check_model(req.model)
         req.check_limits(self.limits)
-        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt)
+        constraint = request_constraint(req)  # 400s first: nothing is tokenized for them
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] \
+            if req.tool_choice != "none" else None
+        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, tools)
         kind = Kind("chatcmpl", "chat.completion", chat=True, model=req.model or self.model_name,
-                    top_n=req.top_logprobs or 0)
-        return await self._create(req, [prompt], kind, lora)
+                    top_n=req.top_logprobs or 0,
+                    tools=constraint.tools if constraint is not None else None)
+        return await self._create(req, [prompt], kind, lora, constraint)
 
     # -- shared machinery --------------------------------------------------------------
 
-    async def _create(self, req, prompts: list[list[int]], kind: Kind, lora=None):
+    async def _create(self, req, prompts: list[list[int]], kind: Kind, lora=None,
+                      constraint: Constraint | None = None):
         params = req.engine_params()
+        if constraint is not None:
+            if isinstance(params, BeamSearchParams):
+                raise APIError(400, f"{constraint.field} does not apply with use_beam_search "
+                                    f"(a beam search ranks, it samples nothing to constrain)",
+                               "use_beam_search")
+            params = dataclasses.replace(params, structured_outputs=constraint.params)
         batch = [(prompt, params, f"{kind.id}-{p_idx}", lora)
                  for p_idx, prompt in enumerate(prompts)]
         try:
             # One command for the whole request: its prompts start in the same step.
             streams = await self.llm.add_requests(batch)  # n per prompt, in choice order
         except InvalidRequestError as e:
+            if constraint is not None and e.reason.startswith(f"{constraint.params.kind}: "):
+                raise compile_error(constraint, e.reason) from None  # the same for every prompt
             where = f"prompt {e.index}: " if len(prompts) > 1 else ""
             # The group's own checks name n (as beam_width, for a beam search).
             field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else "prompt"
@@ -239,7 +265,11 @@ class OpenAIServing:
             lp = self._logprobs(kind, logprobs[i], token_ids[i]) \
                 if d.logprobs is not None else None
             choice = {"index": i, "finish_reason": d.finish_reason, "logprobs": lp}
-            if kind.chat:
+            calls = kind.tools.parse(texts[i]) if kind.tools is not None else None
+            if calls is not None:  # the answer is whole: OpenAI's tool calls
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+            elif kind.chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
             else:
                 choice["text"] = texts[i]
@@ -253,6 +283,7 @@ class OpenAIServing:
         """SSE chunks: deltas, ``finish_reason`` on each choice's last one, usage, [DONE]."""
         num_out = [0] * len(streams)
         chunk = kind.chunk
+        calls = None if kind.tools is None else [ToolCallStream(kind.tools) for _ in streams]
         try:
             if kind.chat:
                 yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -266,8 +297,12 @@ class OpenAIServing:
                     num_out[i] = d.num_output_tokens
                     lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
                     body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
+                    finish = d.finish_reason
+                    if calls is not None:
+                        delta, finish = calls[i].delta(d.text, d.finish_reason)
+                        body = {"delta": delta}
                     yield sse(chunk([{"index": i, **body, "logprobs": lp,
-                                      "finish_reason": d.finish_reason,
+                                      "finish_reason": finish,
                                       "stop_reason": d.stop_reason}]))
             if include_usage:
                 yield sse(chunk([], usage(num_prompt_tokens, sum(num_out))))
@@ -315,9 +350,11 @@ def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
 class Kind:
     """What differs between the two endpoints: ids, object names and chunk shape."""
 
-    def __init__(self, prefix: str, obj: str, chat: bool, model: str, top_n: int) -> None:
+    def __init__(self, prefix: str, obj: str, chat: bool, model: str, top_n: int,
+                 tools: ToolCallFormat | None = None) -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
+        self.tools = tools  # the answer becomes tool calls (chat with tool_choice)
         self.created = int(time.time())
 
     def envelope(self, choices: list[dict], usage_: dict | None) -> dict:

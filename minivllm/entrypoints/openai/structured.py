@@ -1,0 +1,235 @@
+"""Structured outputs and tool calls on the OpenAI API: request fields to a constraint, and back.
+
+Three request fields can constrain what the model writes; at most one may be
+used, and each becomes one :class:`~minivllm.StructuredOutputsParams`:
+
+- ``structured_outputs`` (vLLM's extra, completions and chat): ``{"json": schema}``,
+  ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}`` or
+  ``{"json_object": true}``;
+- ``response_format`` (chat, OpenAI's): ``{"type": "json_schema", "json_schema":
+  {"name": ..., "schema": {...}}}`` or ``{"type": "json_object"}`` (``"text"``:
+  no constraint);
+- ``tools`` with ``tool_choice`` (chat, OpenAI's), as vLLM serves them without
+  a model-specific parser:
+
+  - a named function (``{"type": "function", "function": {"name": ...}}``): the
+    output is that function's arguments, a JSON object under its
+    ``parameters`` schema;
+  - ``"required"``: the output is a JSON array of at least one (exactly one
+    with ``parallel_tool_calls=false``) ``{"name": ..., "parameters": {...}}``
+    objects, each naming one of the tools with arguments under its schema;
+  - ``"none"``: the tools are ignored, the answer is plain text;
+  - ``"auto"`` (OpenAI's default when tools are given): a 400, as vLLM answers
+    without ``--tool-call-parser``: choosing between text and a call needs a
+    parser for the model's own tool-call format, which minivllm has not.
+
+  The reply then carries OpenAI's ``tool_calls`` (:meth:`ToolCallFormat.parse`):
+  ``content`` null, ``finish_reason`` ``"tool_calls"``.
+
+Every mistake is a 400 naming the field. Whether the schema, regex or grammar
+compiles is checked by compiling it (``AsyncLLM`` does, off the event loop,
+with the engine's time cap), before the request is queued.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from dataclasses import dataclass
+
+from minivllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from minivllm.sampling_params import StructuredOutputsParams
+
+
+def _no_parameters() -> dict:
+    """The JSON schema of a function without ``parameters``: an object with no property."""
+    return {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a constrained answer becomes OpenAI ``tool_calls``.
+
+    Attributes:
+        named: the one function of a named ``tool_choice`` (the answer is its
+            arguments), or None for ``"required"`` (the answer is a JSON array of
+            ``{"name", "parameters"}`` objects).
+    """
+
+    named: str | None
+
+    def parse(self, text: str) -> list[dict] | None:
+        """The tool calls the answer holds, or None if it is not a whole one (cut short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.named is not None:
+            return [tool_call(self.named, text)] if isinstance(value, dict) else None
+        if not isinstance(value, list) or not all(
+                isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
+            return None
+        return [tool_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False))
+                for v in value]
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """One OpenAI tool call: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request asks for: the engine's constraint, the field it came from (named in
+    a 400), and how the answer becomes tool calls (None: it stays text)."""
+
+    params: StructuredOutputsParams
+    field: str
+    tools: ToolCallFormat | None = None
+
+
+def request_constraint(req) -> Constraint | None:
+    """The constraint a completion or chat request asks for (None: none); 400 on a mistake."""
+    found: list[Constraint] = []
+    if req.structured_outputs is not None:
+        found.append(_from_extra(req.structured_outputs))
+    if isinstance(req, ChatCompletionRequest):
+        if req.response_format is not None and req.response_format.type != "text":
+            found.append(_from_response_format(req.response_format))
+        tools = _from_tools(req)
+        if tools is not None:
+            found.append(tools)
+    if len(found) > 1:
+        names = ", ".join(c.field.split(".")[0] for c in found)
+        raise APIError(400, f"only one of structured_outputs, response_format and a "
+                            f"tool_choice that calls a tool may constrain the output; got "
+                            f"{names}", found[0].field.split(".")[0])
+    return found[0] if found else None
+
+
+def compile_error(constraint: Constraint, reason: str) -> APIError:
+    """The 400 for a constraint the engine refused (``reason``: the component's message,
+    ``"kind: detail"``), naming the request field it came from."""
+    detail = reason.split(": ", 1)[1] if reason.startswith(f"{constraint.params.kind}: ") \
+        else reason
+    return APIError(400, f"{constraint.field}: {detail}", constraint.field)
+
+
+def _params(field: str, **kw) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kw)
+    except ValueError as e:  # the message names the field already, or gets it here
+        message = str(e) if str(e).startswith("structured_outputs") else f"{field}: {e}"
+        raise APIError(400, message, field) from None
+
+
+def _from_extra(so) -> Constraint:
+    kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+          "json_object": so.json_object}
+    chosen = [k for k, v in kw.items() if v is not None and v is not False]
+    field = f"structured_outputs.{chosen[0]}" if len(chosen) == 1 else "structured_outputs"
+    return Constraint(_params(field, **kw), field)
+
+
+def _from_response_format(rf) -> Constraint:
+    if rf.type == "json_object":
+        return Constraint(_params("response_format", json_object=True), "response_format")
+    field = "response_format.json_schema.schema"
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise APIError(400, f"{field} is required with response_format type 'json_schema'",
+                       field)
+    return Constraint(_params(field, json=rf.json_schema.schema_), field)
+
+
+def _from_tools(req: ChatCompletionRequest) -> Constraint | None:
+    choice, tools = req.tool_choice, req.tools or []
+    if choice == "none" or (choice is None and not tools):
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice {_show(choice)} needs tools", "tools")
+    if choice in (None, "auto"):
+        raise APIError(400, "tool_choice 'auto' (the default with tools) needs a "
+                            "model-specific tool-call parser, which minivllm has not; use "
+                            "tool_choice 'required', a named function, or 'none'",
+                       "tool_choice")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, f"tools must have distinct function names, got {names}", "tools")
+    if choice == "required":
+        schema = _required_schema(req)
+        return Constraint(_params("tools", json=schema), "tools", ToolCallFormat(None))
+    name = choice.function.name
+    if name not in names:
+        raise APIError(400, f"tool_choice.function.name {name[:100]!r} is not one of the "
+                            f"tools: {names}", "tool_choice")
+    i = names.index(name)
+    field = f"tools[{i}].function.parameters"
+    schema = tools[i].function.parameters or _no_parameters()
+    return Constraint(_params(field, json=schema), field, ToolCallFormat(name))
+
+
+def _required_schema(req: ChatCompletionRequest) -> dict:
+    """vLLM's schema for ``tool_choice="required"``: an array of ``{"name", "parameters"}``
+    objects, one alternative per tool. ``$defs`` move to the root, where references
+    (``#/$defs/...``) resolve."""
+    defs: dict[str, dict] = {}  # "$defs" / "definitions" -> name -> schema
+    options = []
+    for i, tool in enumerate(req.tools):
+        params = copy.deepcopy(tool.function.parameters or _no_parameters())
+        for key in ("$defs", "definitions"):
+            for name, d in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, d) != d:
+                    raise APIError(400, f"tools[{i}].function.parameters: {key} {name!r} "
+                                        f"differs from another tool's", "tools")
+        options.append({"type": "object", "properties": {
+            "name": {"enum": [tool.function.name]}, "parameters": params},
+            "required": ["name", "parameters"]})
+    schema = {"type": "array", "items": {"anyOf": options} if len(options) > 1 else options[0],
+              "minItems": 1}
+    if not req.parallel_tool_calls:
+        schema["maxItems"] = 1
+    schema.update(defs)
+    return schema
+
+
+def _show(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+class ToolCallStream:
+    """One streamed choice's tool calls, as OpenAI's ``delta.tool_calls`` chunks.
+
+    A named function's arguments are the answer itself, so they stream as they
+    come (the first chunk carries the call's id and name, the next ones only
+    ``function.arguments`` pieces, as vLLM streams them). A ``"required"``
+    answer is an array that only parses whole, so its calls come in one chunk
+    at the end. An answer that does not parse (cut by ``max_tokens``) ends as
+    text with its own ``finish_reason``.
+    """
+
+    def __init__(self, fmt: ToolCallFormat) -> None:
+        self.fmt = fmt
+        self.text = ""
+        self.call_id: str | None = None
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The chunk's ``delta`` for the new ``text``, and the choice's ``finish_reason``."""
+        self.text += text
+        delta: dict = {}
+        if self.fmt.named is not None and (text or self.call_id is None):
+            if self.call_id is None:
+                call = tool_call(self.fmt.named, text)
+                self.call_id = call["id"]
+                delta = {"tool_calls": [{"index": 0, **call}]}
+            else:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        if finish_reason is None:
+            return delta, None
+        calls = self.fmt.parse(self.text)
+        if calls is None:
+            return (delta if self.fmt.named is not None else {"content": self.text}), finish_reason
+        if self.fmt.named is None:
+            delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+        return delta, "tool_calls"
