@@ -188,3 +188,35 @@ def test_server_serves_adapters_by_model_name(lora_adapters, tmp_path):
         assert "mlp" not in [m.id for m in c.models.list().data]
     finally:
         server.stop()
+
+
+def test_smollm2_with_generated_adapters_matches_peft(smollm2_dir, tmp_path):
+    """The real model: two generated rank-16 adapters on every linear module of
+    SmolLM2 (``bench lora --e2e``'s writer), a mixed batch with the base model,
+    against PEFT on the same converted weights (float32)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from minivllm import LLM
+    from minivllm.bench.lora_e2e import write_random_adapter
+
+    cfg = AutoConfig.from_pretrained(smollm2_dir, local_files_only=True)
+    adapters = {f"gen{i}": write_random_adapter(tmp_path / f"gen{i}", cfg, rank=16, seed=i)
+                for i in range(2)}
+    for path in adapters.values():  # B x 30: strong enough to change greedy tokens
+        weights = load_file(str(path / "adapter_model.safetensors"))
+        save_file({k: v * 30 if "lora_B" in k else v for k, v in weights.items()},
+                  str(path / "adapter_model.safetensors"))
+    names = ["gen0", None, "gen1", "gen0"]
+    prompts = random_prompts(len(names), [7, 12, 5], seed=3)
+    oracle = peft_model(smollm2_dir, adapters)
+    want = [oracle_tokens(oracle, p, n, 4) for p, n in zip(prompts, names)]
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", max_model_len=128,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    loras = [None if n is None else lora_request(adapters, n) for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False, lora_request=loras)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    base = [oracle_tokens(oracle, p, None, 4) for p, n in zip(prompts, names) if n]
+    assert base != [w for w, n in zip(want, names) if n], "the adapters change no token"
