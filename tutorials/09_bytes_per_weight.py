@@ -224,7 +224,7 @@ fig, ax = plt.subplots(figsize=(9, 4))
 ax.bar(names, [decode_tok_s[n] for n in names], color="tab:blue", label="measured decode")
 ax.plot(names, roof, "o", color="tab:red", label="roofline (bandwidth / bytes)")
 for (kv, roofs), marker in zip(roofline_4k.items(), ("v", "^")):  # + a 4k-token KV cache
-    ax.plot(names, [roofs["int4" if n.startswith("gguf") else n] for n in names], marker,
+    ax.plot(names, [roofs[r[3]] for r in runs], marker,
             color="tab:gray", fillstyle="none", label=f"roofline at {context} tokens, {kv}")
 ax.set_ylabel("tokens / s at batch 1")
 ax.set_yscale("log")
