@@ -384,3 +384,36 @@ def test_build_lock_takes_over_a_dead_holder_and_names_a_live_one(tmp_path, caps
         live.wait()
     assert got.wait(10)  # the holder died: the waiter takes over
     thread.join(10)
+
+
+def test_spawned_ranks_build_the_ops_before_spawning(monkeypatch):
+    """``"mp"`` ranks on a CPU with a fast twin: the parent builds (or loads) the C++ ops
+    before it spawns anyone, so no rank waits on the build lock past its rendezvous;
+    with only ref twins, or on CUDA, nothing is built."""
+    from types import SimpleNamespace
+
+    from minivllm.engine import rank_starters
+
+    calls = []
+    monkeypatch.setattr(cpu_ops, "available", lambda: calls.append("build") or True)
+    cpu = torch.device("cpu")
+    fast = SimpleNamespace(impls={"attention": "fast", "scheduler": "ref"})
+    ref = SimpleNamespace(impls={"attention": "ref", "scheduler": "my_pkg.scheduler"})
+    assert rank_starters.build_cpu_ops_first(cpu, fast) and calls == ["build"]
+    assert not rank_starters.build_cpu_ops_first(cpu, ref)
+    assert not rank_starters.build_cpu_ops_first(torch.device("cuda"), fast)
+    assert calls == ["build"]
+
+    class NoSpawn(RuntimeError):
+        pass
+
+    def spawn_context(method):  # the first thing start() does after the build
+        calls.append("spawn")
+        raise NoSpawn
+
+    monkeypatch.setattr(rank_starters.mp, "get_context", spawn_context)
+    config = SimpleNamespace(device="cpu", num_ranks=2)
+    monkeypatch.setattr(rank_starters, "rank_devices", lambda device, n: [cpu] * n)
+    with pytest.raises(NoSpawn):
+        rank_starters.SpawnedRanks().start(config, fast)
+    assert calls == ["build", "build", "spawn"]

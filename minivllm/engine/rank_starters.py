@@ -142,6 +142,18 @@ def _spawned_rank_main(rank: int, init_method: str, dist_backend: str, config: W
     distributed.destroy_distributed()
 
 
+def build_cpu_ops_first(device: torch.device, components: Any) -> bool:
+    """Build (or load) the C++ CPU ops here, before any rank is spawned, if a fast twin
+    may call them: a first build takes a minute or two, and ranks that each waited on
+    the build lock meanwhile would miss their rendezvous. Returns True if it built or
+    loaded them (the children then load the cached library)."""
+    if device.type != "cpu" or "fast" not in components.impls.values():
+        return False
+    from minivllm.fast import cpu_ops
+
+    return cpu_ops.available()  # a build that fails says why in each rank, as without spawning
+
+
 class SpawnedRanks:
     """``"mp"``: this process spawns ranks ``1 .. N-1`` and watches them (see the module docstring)."""
 
@@ -157,6 +169,7 @@ class SpawnedRanks:
         devices = rank_devices(config.device, config.num_ranks)
         dist_backend = "nccl" if devices[0].type == "cuda" else "gloo"
         init_method = f"tcp://127.0.0.1:{_free_port()}"
+        build_cpu_ops_first(devices[0], components)
         ctx = mp.get_context("spawn")
         self._ready = ctx.Queue()
         for rank in range(1, config.num_ranks):
