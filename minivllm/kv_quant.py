@@ -3,13 +3,13 @@
 vLLM's engine argument ``kv_cache_dtype`` picks how each layer's paged K/V
 cache is stored:
 
-==================  ======================  ==============================  ==========================
-``kv_cache_dtype``  stored as               scale                           bytes per (token, KV head)
-==================  ======================  ==============================  ==========================
-``"auto"``          the model's dtype       none                            ``D * itemsize``
-``"int8"``          ``torch.int8``          float32 per (token, KV head)    ``D + 4``
-``"fp8"``           ``torch.float8_e4m3fn`` float32 per (token, KV head)    ``D + 4``
-==================  ======================  ==============================  ==========================
+==================  =======================  ============================  ==========================
+``kv_cache_dtype``  stored as                scale                         bytes per (token, KV head)
+==================  =======================  ============================  ==========================
+``"auto"``          the model's dtype        none                          ``D * itemsize``
+``"int8"``          ``torch.int8``           float32 per (token, KV head)  ``D + 4``
+``"fp8"``           ``torch.float8_e4m3fn``  float32 per (token, KV head)  ``D + 4``
+==================  =======================  ============================  ==========================
 
 (``"fp8_e4m3"`` is ``"fp8"``.) A quantized layer's cache is four tensors, the
 scales beside the values::
