@@ -44,10 +44,12 @@ def test_trace_keeps_only_ranges_of_the_step_window(llm, tmp_path, capsys):
     names = [e["name"] for e in events]
     assert names.count("schedule") == 3, "exactly the three steps of the window"
     assert not [n for n in names if n.startswith("aten::")], "op-level events are off"
-    # Per step: the stages; per layer its range and 10 op ranges (2 norms, 4 linears,
-    # rope, cache write, attention, activation); the final norm, embedding and lm_head.
-    # Anything more is an unbounded source of events.
-    per_step = len(STAGES) + NUM_LAYERS * (1 + 10) + 3
+    # Per step: the stages ("forward" twice: sending the step, and waiting for its
+    # logits, which a pipeline does steps apart); per layer its range and 10 op ranges
+    # (2 norms, 4 linears, rope, cache write, attention, activation); the final norm,
+    # embedding and lm_head. Anything more is an unbounded source of events.
+    per_step = len(STAGES) + 1 + NUM_LAYERS * (1 + 10) + 3
+    assert names.count("forward") == 2 * 3
     assert len(events) <= 3 * per_step
     for stage in (*STAGES, "layer.0", "op.attention", "op.linear"):
         assert stage in names

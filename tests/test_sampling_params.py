@@ -40,8 +40,8 @@ def test_default_stop_is_empty():
 
 
 BAD_VALUES = [
-    ("n", 2),
     ("n", 0),
+    ("n", -1),
     ("temperature", -0.1),
     ("temperature", math.nan),
     ("top_p", 0.0),
@@ -113,6 +113,7 @@ def test_min_tokens_above_max_tokens():
 
 
 GOOD_VALUES = [
+    ("n", 4),  # parallel sampling: n completions of one prompt
     ("temperature", 0.0),
     ("temperature", 2.0),
     ("top_p", 1e-3),

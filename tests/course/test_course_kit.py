@@ -281,8 +281,10 @@ def test_extra_tests_join_their_task(tmp_path, ref_only):
 def test_gradescope_results_and_partial_credit(tmp_path, ref_only):
     student.make_student(tmp_path, "kit_gs", solution=True)
     sched = tmp_path / "kit_gs" / "scheduler.py"  # a preemption bug: the scheduler loses points
-    sched.write_text(sched.read_text().replace("victim = self.running.pop()",
-                                               "victim = self.running.pop(0)"))
+    source = sched.read_text()
+    right = "victim = next(r for r in reversed(self.running)"  # the newest request goes
+    assert right in source, "the planted bug must change the student's scheduler"
+    sched.write_text(source.replace(right, "victim = next(r for r in self.running"))
     out = tmp_path / "results.json"
     results, table = grading.grade("kit_gs", ["silu_and_mul", "scheduler"],
                                    pythonpath=[tmp_path], gradescope_path=str(out))
