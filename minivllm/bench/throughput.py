@@ -94,11 +94,9 @@ def run_minivllm(args, prompts, out_lens) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     if n_out != sum(out_lens):
         raise RuntimeError(f"expected {sum(out_lens)} output tokens, got {n_out}")
-    from minivllm import backend
-
     engine = llm.llm_engine
     info = dict(device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
-                backends=backend.describe(engine.backend_spec))
+                backends=engine.components.describe())
     llm.shutdown()
     return dict(elapsed_s=elapsed, output_tokens=n_out, **info)
 
