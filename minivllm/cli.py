@@ -82,6 +82,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="the largest adapter rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded in host memory (default: --max-loras)")
+    g.add_argument("--structured-outputs-compile-timeout-s", type=float, default=10.0,
+                   metavar="S",
+                   help="the longest one request's constraint may take to compile (a JSON "
+                        "schema, regex, choice or grammar: the server's response_format, "
+                        "structured_outputs and tools; docs/structured_outputs.md); a slower "
+                        "one is refused with a 400 (default 10)")
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\', or '
@@ -128,6 +134,7 @@ def _make_llm(args):
         distributed_executor_backend=args.distributed_executor_backend,
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout_s,
     )
 
 
