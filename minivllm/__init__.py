@@ -7,6 +7,18 @@ The public API mirrors vLLM's::
     print(llm.generate("Hello", SamplingParams(max_tokens=8))[0].outputs[0].text)
 """
 
+import os as _os
+import sys as _sys
+
+# OpenMP's worker threads (torch's thread pool) spin for milliseconds after each
+# parallel region by default (libgomp: 300000 turns). A decode step's own loops
+# run on the C++ kernels' thread team (minivllm/fast/csrc/thread_team.h), so a
+# torch worker still spinning after the sampler's ops takes a core from that team
+# for much of the next step. libgomp reads this when torch loads it: import
+# minivllm before torch, or set GOMP_SPINCOUNT yourself (docs/kernels.md, "Threads").
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+
 from minivllm.backend import get_backend, set_backend, use_backend
 from minivllm.sampling_params import (
     BeamSearchParams,

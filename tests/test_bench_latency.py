@@ -66,3 +66,25 @@ def test_make_llm_quantizes_the_projections(tiny_model_dir):
     weights = [m.weight for m in model.modules() if hasattr(m, "weight")]
     assert any(isinstance(w, QuantizedWeight) for w in weights)
     llm.shutdown()
+
+
+def test_cpu_parallel_modes_are_measured_in_one_run(tiny_model_dir, tmp_path, capsys):
+    """``--cpu-parallel adaptive openmp``: the fast path once in each thread mode, the
+    ratio printed, and the mode the kernels had before restored afterwards."""
+    from minivllm.fast import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(f"the C++ ops did not build: {cpu_ops.unavailable_reason()}")
+    before = cpu_ops.ops().cpu_parallel_mode("")
+    out = tmp_path / "latency.json"
+    assert latency.main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32",
+                         "--device", "cpu", "--backend", "fast", "--input-len", "8",
+                         "--output-len", "4", "--num-iters", "1", "--no-profile",
+                         "--cpu-parallel", "adaptive", "openmp", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    import json
+
+    paths = json.loads(out.read_text())["results"][0]["paths"]
+    if "fast" in paths:  # the tiny model takes the fast path on a CPU with the C++ ops
+        assert "fast/openmp" in paths and "threads: adaptive decodes" in text
+    assert cpu_ops.ops().cpu_parallel_mode("") == before

@@ -48,6 +48,7 @@ the per-category breakdown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -183,9 +184,16 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
                   paths={})
     fast = worker.build_model_runner(enforce_eager=False)
     paths = ["fast", "plain"] if fast.fast_paths else ["plain"]
-    for path in paths:
+    # The C++ kernels' thread modes (docs/threads.md): the first is "fast", the rest
+    # "fast/<mode>", measured one after the other in this run.
+    modes = args.cpu_parallel if uses_cpu_ops(engine) else [None]
+    runs_of = [(p, m) for p in paths for m in (modes if p == "fast" else [None])]
+    for path, mode in runs_of:
         worker.build_model_runner(enforce_eager=path == "plain")
-        runs = [time_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)]
+        with cpu_parallel_mode(mode or modes[0]):
+            runs = [time_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)]
+        if mode is not None and mode != modes[0]:
+            path = f"fast/{mode}"
         decode_ms = sorted(1000 * r.decode_s / max(len(r.decode_steps_s), 1) for r in runs)
         result["paths"][path] = dict(
             ttft_ms=sorted(1000 * r.ttft_s for r in runs)[len(runs) // 2],
@@ -207,12 +215,34 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
     return result
 
 
+def uses_cpu_ops(engine) -> bool:
+    """True if ``engine`` runs on a CPU where the C++ kernels (and their thread team) are."""
+    from minivllm.fast import cpu_ops
+
+    return engine.device.type == "cpu" and cpu_ops.available()
+
+
+@contextlib.contextmanager
+def cpu_parallel_mode(mode: str | None):
+    """The C++ kernels' loops in ``mode`` ("adaptive", "team", "openmp") for the block."""
+    if mode is None:
+        yield
+        return
+    from minivllm.fast import cpu_ops
+
+    old = cpu_ops.ops().cpu_parallel_mode(mode)
+    try:
+        yield
+    finally:
+        cpu_ops.ops().cpu_parallel_mode(old)
+
+
 def format_table(results: list[dict], args) -> str:
     load = "; one core kept busy by another process" if args.busy_core else ""
     lines = [f"minivllm bench latency: {args.model}, batch {args.batch_size}, "
              f"{args.input_len} prompt + {args.output_len} output tokens, median of "
              f"{args.num_iters}; {describe_machine()}{load}",
-             f"{'dtype':<10}{'quant':<7}{'path':<7}{'TTFT ms':>9}{'decode ms/tok':>15}"
+             f"{'dtype':<10}{'quant':<7}{'path':<14}{'TTFT ms':>9}{'decode ms/tok':>15}"
              f"{'decode tok/s':>14}{'latency s':>11}{'host ms':>9}{'kernels ms':>12}"
              f"{'outside kern. ms':>18}"]
     for res in results:
@@ -220,7 +250,7 @@ def format_table(results: list[dict], args) -> str:
             kern = res.get("kernel_ms_per_step")
             outside = r.get("outside_kernels_ms")
             lines.append(
-                f"{res['dtype']:<10}{res['quantization'] or '-':<7}{path:<7}{r['ttft_ms']:>9.1f}"
+                f"{res['dtype']:<10}{res['quantization'] or '-':<7}{path:<14}{r['ttft_ms']:>9.1f}"
                 f"{r['decode_ms_per_step']:>15.2f}"
                 f"{1000 * args.batch_size / r['decode_ms_per_step']:>14.1f}"
                 f"{r['latency_s']:>11.2f}{r['host_ms']:>9.2f}"
@@ -231,6 +261,12 @@ def format_table(results: list[dict], args) -> str:
             lines.append(f"  fast path: decode {p['decode_ms_per_step'] / f['decode_ms_per_step']:.2f}x"
                          f" the plain path, host {p['host_ms']:.2f} -> "
                          f"{f['host_ms']:.2f} ms/step")
+        for path, r in res["paths"].items():
+            if path.startswith("fast/"):
+                f = res["paths"]["fast"]
+                lines.append(f"  threads: {args.cpu_parallel[0]} decodes "
+                             f"{r['decode_ms_per_step'] / f['decode_ms_per_step']:.2f}x as fast as "
+                             f"{path.split('/')[1]}")
         if "op_ms_per_step" in res:
             ops = ", ".join(f"{op} {ms:.2f}" for op, ms in res["op_ms_per_step"].items())
             lines.append(f"  kernels per decode step (ms): {ops}; a profiled plain step "
@@ -262,6 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--busy-core", action="store_true",
                    help="measure while another process keeps one core busy (started and "
                         "stopped here): a laptop is never idle")
+    p.add_argument("--cpu-parallel", nargs="+", default=["adaptive"],
+                   choices=["adaptive", "team", "openmp"],
+                   help="where the C++ kernels' loops run (docs/threads.md): the thread "
+                        "team, leaving a late helper's work to the caller alone "
+                        "('adaptive', the default), the team always ('team'), or OpenMP's "
+                        "at::parallel_for ('openmp'); several are measured in turn, in "
+                        "one run (with --busy-core: which tolerates a busy core)")
     p.add_argument("--out", default="results/bench_latency.json")
     p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                    help="compare speculative decoding with this config (vLLM's dict, e.g. "

@@ -50,10 +50,10 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "copy_blocks.cpp", "layernorm.cpp",
            "activation.cpp", "rotary.cpp", "gemv.cpp", "quant.cpp", "quant_w8a8.cpp", "layer_stack.cpp",
-           "token_bitmask.cpp", "lora.cpp",
+           "token_bitmask.cpp", "lora.cpp", "thread_team.cpp",
            "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
-HEADERS = ("ops.h", "attention_tile.h", "quant_tiles.h", "quant_w8a8_tiles.h", "kv_cache.h")
+HEADERS = ("ops.h", "thread_team.h", "attention_tile.h", "quant_tiles.h", "quant_w8a8_tiles.h", "kv_cache.h")
 
 
 def _extension_name() -> str:

@@ -23,7 +23,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t xs = input.stride(0);
     const int64_t grain = grain_for(std::min(CHUNK, inter));
-    at::parallel_for(0, rows * chunks, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows * chunks, grain, [&](int64_t begin, int64_t end) {
       for (int64_t w = begin; w < end; ++w) {
         const int64_t r = w / chunks, i0 = (w % chunks) * CHUNK;
         const int64_t i1 = std::min(i0 + CHUNK, inter);

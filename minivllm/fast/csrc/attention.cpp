@@ -27,8 +27,8 @@
 // - p @ V accumulates MR query vectors x DC elements of head_dim in registers
 //   (pv_block) and reads each V row once per block, instead of streaming the
 //   accumulator through memory once per (key, query vector).
-// - Items are spread over threads with at::parallel_for, one contiguous run
-//   of about equal work (keys x query vectors) per thread.
+// - Items are spread over threads with parallel_for (thread_team.h), one contiguous run
+//   of about equal work (keys x query vectors) per chunk, a few chunks per thread.
 // - A quantized cache (int8 / fp8 e4m3 codes, a float32 scale per token and KV
 //   head: kv_cache.h) is read as it is, 1 byte an element: each row's codes are
 //   widened into an L1 buffer when it is used, never into a copy of the cache, and
@@ -139,12 +139,14 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     item_work[w] = keys * (it.row_end - it.row_begin) * num_heads * head_dim;
     work += item_work[w];
   }
-  // One contiguous run of items per thread, cut where the cumulative work crosses
-  // an equal share: at::parallel_for hands each thread an equal *count* of items,
-  // and with sequences of different lengths one thread would idle while the other
-  // finished. A tiny batch (a few short sequences) stays on this thread.
+  // Contiguous runs of items (CHUNKS_PER_THREAD a thread), cut where the cumulative
+  // work crosses an equal share: cut by *count*, with sequences of different lengths
+  // one thread would idle while the other finished. A late thread's runs are taken
+  // by the thread that is running (thread_team.h). A tiny batch (a few short
+  // sequences) stays on this thread.
   const int64_t parts =
-      work <= GRAIN_ELEMENTS ? 1 : std::min<int64_t>(num_items, at::get_num_threads());
+      work <= GRAIN_ELEMENTS ? 1
+                             : std::min<int64_t>(num_items, team_threads() * CHUNKS_PER_THREAD);
   std::vector<int64_t> bounds(parts + 1, num_items);
   bounds[0] = 0;
   int64_t done = 0;
@@ -152,7 +154,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     done += item_work[w];
     while (p < parts && done * parts >= work * p) bounds[p++] = w + 1;
   }
-  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+  parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     // Scratch, reused by every item this thread runs. KV head h owns the query
     // vectors [h * m_cap, (h + 1) * m_cap) of q_buf / acc / row_max / row_sum.
     std::vector<float> q_buf(num_kv_heads * m_cap * head_dim), acc(q_buf.size());

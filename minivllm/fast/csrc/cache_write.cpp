@@ -35,7 +35,7 @@ void cache_write_kernel(const at::Tensor& key, const at::Tensor& value,
   }
 
   const int64_t grain = grain_for(2 * num_kv_heads * head_dim);
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // padding row
@@ -70,7 +70,7 @@ void cache_write_quantized_kernel(const at::Tensor& key, const at::Tensor& value
   }
 
   const int64_t grain = grain_for(2 * num_kv_heads * head_dim);
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // padding row

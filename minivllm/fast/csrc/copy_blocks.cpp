@@ -49,7 +49,7 @@ void copy_blocks(at::TensorList k_caches, at::TensorList v_caches,
   // One item per (tensor, pair): num_tensors * num_pairs memcpys of block_bytes each.
   const int64_t num_tensors = static_cast<int64_t>(bases.size());
   const int64_t grain = grain_for(block_numel);
-  at::parallel_for(0, num_tensors * num_pairs, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tensors * num_pairs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       char* base = bases[item / num_pairs];
       const int64_t p = item % num_pairs;

@@ -25,7 +25,7 @@
 //   (1 row) does not keep two cores streaming (docs/kernels.md has the numbers).
 // - K tails (K % 32 on the BF16 path) are masked loads, never reads past a row;
 //   the portable path's K % 8 tail is a scalar loop.
-// - Output features are split over threads with at::parallel_for.
+// - Output features are split over threads with parallel_for (thread_team.h).
 #include "ops.h"
 
 #include <c10/util/BFloat16.h>
@@ -309,7 +309,7 @@ void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& 
   static_assert(NB1 % NB == 0, "a thread's share must hold whole blocks of both sizes");
   const int64_t blocks = (N + NB1 - 1) / NB1;
   const int64_t grain = grain_for(NB1 * K);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * NB1, n1 = std::min(N, b1 * NB1);
     std::vector<float> y(M * (n1 - n0));  // this thread's columns, M x (n1 - n0)
     if (w_f32) {

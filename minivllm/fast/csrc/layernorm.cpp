@@ -44,7 +44,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t xs = input.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, grain_for(hidden), [&](int64_t b, int64_t e) {
+    parallel_for(0, rows, grain_for(hidden), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         norm_row(o + r * os, x + r * xs, w, hidden, static_cast<float>(eps));
       }
@@ -64,7 +64,7 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual,
     scalar_t* res = residual.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     const int64_t xs = input.stride(0), rs = residual.stride(0);
-    at::parallel_for(0, rows, grain_for(hidden), [&](int64_t b, int64_t e) {
+    parallel_for(0, rows, grain_for(hidden), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         scalar_t* xr = x + r * xs;
         scalar_t* rr = res + r * rs;

@@ -24,7 +24,7 @@
 // are widened to float32 in registers (a 16-bit shift), fp16 ones element by element. Rank
 // rows whose h is zero for every token of the item (a lower-rank adapter's zero padding) are
 // skipped in the expand; a slot with scale 0 (an adapter that leaves this slice alone) is
-// skipped whole. Work items are spread over threads with at::parallel_for; two items never
+// skipped whole. Work items are spread over threads with parallel_for (thread_team.h); two items never
 // write the same elements of y (a token is in one segment; an item owns one slice's columns).
 #include "ops.h"
 
@@ -257,7 +257,7 @@ void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora_a, at::Ten
   const int64_t* tokens = sorted_tokens.data_ptr<int64_t>();
 
   MINIVLLM_DISPATCH(x.scalar_type(), "add_lora", [&] {
-    at::parallel_for(0, num_items, grain_for(work / num_items), [&](int64_t b, int64_t e) {
+    parallel_for(0, num_items, grain_for(work / num_items), [&](int64_t b, int64_t e) {
       std::vector<float> xs(TB * K), h(TB * R), abuf(4 * K);
       std::vector<int64_t> js(R);
       for (int64_t w = b; w < e; ++w) {

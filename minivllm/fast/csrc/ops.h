@@ -5,13 +5,16 @@
 // (no intrinsics): element-wise loops over contiguous rows, and reductions that
 // keep LANES partial sums side by side instead of one running sum (a single sum
 // is a dependency chain the compiler may not reorder without -ffast-math).
-// Work is split over threads with at::parallel_for.
+// Work is split over threads with minivllm::parallel_for (thread_team.h): a team
+// that tolerates a busy core, with at::parallel_for's arguments.
 #pragma once
 
 // Only the headers the kernels need (not <torch/all.h>): it halves the build time.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+
+#include "thread_team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,7 +35,7 @@ constexpr int LANES = 16;
 // gain from it, and far more when the machine is oversubscribed.
 constexpr int64_t GRAIN_ELEMENTS = 32768;
 
-// The at::parallel_for grain for items of `per_item` elements each.
+// The parallel_for grain for items of `per_item` elements each.
 inline int64_t grain_for(int64_t per_item) {
   return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, per_item));
 }
@@ -159,6 +162,10 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale,
                    at::TensorList k_scales, at::TensorList v_scales);
+std::string cpu_parallel_mode(std::string_view name);
+std::vector<int64_t> cpu_team_stats();
+int64_t parallel_for_coverage(at::Tensor& counts, int64_t grain, int64_t throw_at,
+                              int64_t helper_delay_us, int64_t caller_delay_us);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 
 }  // namespace minivllm

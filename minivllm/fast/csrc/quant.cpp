@@ -36,7 +36,7 @@
 //   stream and has barely ramped up when the row ends; the tiles therefore
 //   prefetch the next tile's bytes, a cache line per step, which took the int8
 //   kernel from a third of the read bandwidth to most of it.
-// - Threads take whole tiles of weight rows (at::parallel_for), so each weight
+// - Threads take whole tiles of weight rows (parallel_for), so each weight
 //   byte is read from memory once, by one thread.
 // A plain loop (one weight row at a time, LANES partial sums, the scale once per
 // group) runs elsewhere, for int8 groups that are not a multiple of 8, and with
@@ -117,7 +117,7 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   (void)portable;
   // The portable loop (and where gs is not a multiple of 8): one weight row at a
   // time, LANES partial sums a group, the scale applied once per group.
-  at::parallel_for(0, n, grain_for(k * m_rows), [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, grain_for(k * m_rows), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int8_t* q = qp + row * k;
       const float* s = sp + row * groups;
@@ -185,7 +185,7 @@ void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   // The portable loop: one weight row at a time.
   constexpr int HALF = GROUP4 / 2;  // 16 bytes a group, 16 lanes
   static_assert(HALF == LANES, "one group's bytes fill the lanes exactly");
-  at::parallel_for(0, n, grain_for(k * m_rows), [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, grain_for(k * m_rows), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* q = qp + row * (k / 2);
       const float* d = dp + row * groups;
@@ -224,7 +224,7 @@ void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tenso
     const int8_t* qp = qweight.data_ptr<int8_t>();
     const float* sp = scales.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain_for(k), [&](int64_t begin, int64_t end) {
+    parallel_for(0, n, grain_for(k), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         for (int64_t i = 0; i < k; ++i) {
           op[row * k + i] = static_cast<scalar_t>(sp[row * groups + i / gs] *
@@ -253,7 +253,7 @@ void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tenso
     const float* dp = scales.data_ptr<float>();
     const float* mp = mins.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n, grain_for(k), [&](int64_t begin, int64_t end) {
+    parallel_for(0, n, grain_for(k), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* b = qp + row * (k / 2) + g * (GROUP4 / 2);

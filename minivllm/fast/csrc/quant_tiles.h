@@ -265,7 +265,7 @@ using TileFn = void (*)(const Tiles&, int64_t, int64_t, int64_t);
 template <int NB_>
 void run_tiles(const Tiles& t, TileFn tile_mr, TileFn tile_1) {
   const int64_t blocks = (t.n + NB_ - 1) / NB_;
-  at::parallel_for(0, blocks, grain_for(NB_ * t.k), [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, grain_for(NB_ * t.k), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB_, nb = std::min<int64_t>(NB_, t.n - n0);
       int64_t m0 = 0;

@@ -36,7 +36,7 @@
 //   AVX512-VNNI, else AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
 //   The SIMD tiles are written once, in quant_w8a8_tiles.h, and compiled once per
 //   instruction set below, each in its own namespace.
-// - Threads take whole tiles (at::parallel_for), so each weight byte is read once.
+// - Threads take whole tiles (parallel_for), so each weight byte is read once.
 #include "ops.h"
 
 #include <string>
@@ -261,7 +261,7 @@ const IsaEntry& find_isa(std::string_view name) {
 void run(const W8A8Problem& p, TilesFn tiles) {
   if (p.m == 0 || p.n == 0) return;
   const int64_t count = (p.n + TILE - 1) / TILE;
-  at::parallel_for(0, count, grain_for(TILE * p.k * p.m),
+  parallel_for(0, count, grain_for(TILE * p.k * p.m),
                    [&](int64_t t0, int64_t t1) { tiles(p, t0, t1); });
 }
 
@@ -308,7 +308,7 @@ void quantize_activations_int8(at::Tensor& q, at::Tensor& scales, at::Tensor& su
   float* sp = scales.data_ptr<float>();
   float* sump = sums.data_ptr<float>();
   const QuantizeGroupFn quantize_group = find_isa(isa).quantize_group;
-  at::parallel_for(0, m * groups, grain_for(GROUP), [&](int64_t begin, int64_t end) {
+  parallel_for(0, m * groups, grain_for(GROUP), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int32_t total = quantize_group(xp + i * GROUP, qp + i * GROUP, sp + i);
       sump[i] = sp[i] * static_cast<float>(total);

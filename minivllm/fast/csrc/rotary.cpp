@@ -53,7 +53,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     const float* cache = cos_sin_cache.data_ptr<float>();
     const int64_t cs = cos_sin_cache.stride(0);
     const int64_t per_token = (query.size(1) + key.size(1)) * half * 2;
-    at::parallel_for(0, num_tokens, grain_for(per_token), [&](int64_t begin, int64_t end) {
+    parallel_for(0, num_tokens, grain_for(per_token), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = cache + pos[t] * cs;
         const float* sin = cos + half;

@@ -33,7 +33,7 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
     const int64_t* row_ids = rows.data_ptr<int64_t>();
     const int64_t stride = logits.stride(0);
     const scalar_t neg_inf = static_cast<scalar_t>(-std::numeric_limits<float>::infinity());
-    at::parallel_for(0, num_rows * chunks, grain_for(32 * CHUNK),
+    parallel_for(0, num_rows * chunks, grain_for(32 * CHUNK),
                      [&](int64_t begin, int64_t end) {
       for (int64_t w = begin; w < end; ++w) {
         const int64_t r = row_ids[w / chunks];

@@ -67,6 +67,17 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "add_lora(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor[] scalings, "
       "Tensor sorted_tokens, Tensor seg_starts, Tensor seg_slots, int[] output_slices) -> ()");
+  // Where the kernels' loops run (thread_team.h): "adaptive" (the default), "team" or
+  // "openmp" (at::parallel_for); "" only reads it. Returns the mode before the call.
+  m.def("cpu_parallel_mode(str mode='') -> str", &minivllm::cpu_parallel_mode);
+  // [jobs the team ran, jobs the caller ran alone, late jobs] since the process started.
+  m.def("cpu_team_stats() -> int[]", &minivllm::cpu_team_stats);
+  // For the tests: counts[i] += 1 for each i through parallel_for; index throw_at raises;
+  // helpers sleep helper_delay_us a chunk, the caller caller_delay_us. Returns the
+  // indices the caller ran.
+  m.def(
+      "parallel_for_coverage(Tensor(a!) counts, int grain, int throw_at=-1, "
+      "int helper_delay_us=0, int caller_delay_us=0) -> int");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
@@ -88,4 +99,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("decode_layers", &minivllm::decode_layers);
   m.impl("apply_token_bitmask", &minivllm::apply_token_bitmask);
   m.impl("add_lora", &minivllm::add_lora);
+  m.impl("parallel_for_coverage", &minivllm::parallel_for_coverage);
 }

@@ -1,0 +1,84 @@
+// A team of threads that tolerates a busy core: minivllm::parallel_for.
+//
+// at::parallel_for (OpenMP) gives each of its T threads one equal, fixed share of
+// a loop and returns when every thread has finished its share. On a quiet machine
+// that is ideal. On a laptop, where another process holds one of the two cores, the
+// operating system runs our second thread only part of the time: each of the ~210
+// loops of a decode step then waits for a thread that is not running, for as long
+// as the scheduler gives the other process (milliseconds), and batch-1 decode
+// falls to a third of its quiet speed.
+//
+// parallel_for here cuts a loop into more chunks than threads (CHUNKS_PER_THREAD
+// each) and lets every thread of a persistent team take the next unclaimed chunk
+// from one shared counter, the calling thread included. A thread that is late
+// simply claims fewer chunks: the ones it would have run are taken by the thread
+// that is running. The loop is over when every chunk is *done* (a count), not
+// when every thread has *arrived*; so the caller waits at most for the chunk a
+// preempted thread holds, and it waits asleep, which frees its core for that
+// thread. thread_team.cpp has the team.
+//
+// When a helper keeps being late (another process holds its core), the jobs of the
+// next moment run on the calling thread alone: one thread streams weights nearly as
+// fast as two, and never waits (thread_team.cpp says when a job counts as late).
+//
+// A chunk's result must not depend on which thread runs it or on how the loop is
+// cut (every kernel here computes each output element wholly inside one chunk), so
+// the team's results are bit for bit at::parallel_for's. The op
+// minivllm::cpu_parallel_mode picks "adaptive" (the default), "team" (never alone)
+// or "openmp" (at::parallel_for), to compare them.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace minivllm {
+
+// Chunks a thread's share of a loop is cut into: more gives a late thread's work
+// to the others in finer pieces; fewer costs fewer claims (a few ns each).
+constexpr int64_t CHUNKS_PER_THREAD = 4;
+
+// Runs fn(ctx, c) for every chunk c in [0, chunks), on the team, and returns when
+// every chunk is done. The first exception a chunk throws is rethrown here.
+using ChunkFn = void (*)(const void* ctx, int64_t chunk);
+void team_run(int64_t chunks, ChunkFn fn, const void* ctx);
+
+// Threads that run a loop: the team's (the caller included), or 1 inside a chunk.
+int64_t team_threads();
+
+// True if parallel_for goes to the team; false if to at::parallel_for (OpenMP).
+bool team_enabled();
+
+// f(b, e) over [begin, end) in pieces of at least `grain` items, as at::parallel_for.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  if (!team_enabled()) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  grain = std::max<int64_t>(1, grain);
+  const int64_t chunks = std::min((n + grain - 1) / grain, team_threads() * CHUNKS_PER_THREAD);
+  if (chunks <= 1) {  // one piece (or already inside a chunk): this thread runs it
+    f(begin, end);
+    return;
+  }
+  struct Loop {
+    const F* f;
+    int64_t begin, end, size;
+  };
+  const int64_t size = (n + chunks - 1) / chunks;
+  const Loop loop{&f, begin, end, size};
+  team_run(
+      (n + size - 1) / size,
+      [](const void* ctx, int64_t c) {
+        const Loop& l = *static_cast<const Loop*>(ctx);
+        const int64_t b = l.begin + c * l.size;
+        (*l.f)(b, std::min(l.end, b + l.size));
+      },
+      &loop);
+}
+
+}  // namespace minivllm
