@@ -64,3 +64,37 @@ def test_llama_bench_names_pp_and_tg(tmp_path):
     _fake_tool(tmp_path / "bin", "llama-bench", rows)
     assert llamacpp.llama_bench(tmp_path / "m.gguf", 4096, 128, 2, 1, tmp_path) == {
         "pp4096": 634.0, "tg128": 158.0}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_weight_bytes_per_token_counts_what_a_decode_step_reads(tiny_model_dir, tie, quantization):
+    """The roofline's denominator, against the config's own arithmetic: every projection,
+    norm and the LM head once; the embedding table only where it is the LM head."""
+    import json
+
+    from minivllm import LLM
+    from minivllm.bench.llamacpp import weight_bytes_per_token
+
+    path = tiny_model_dir("llama", tie_word_embeddings=tie)
+    c = json.loads((path / "config.json").read_text())
+    h, inter, layers, vocab = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                               c["vocab_size"])
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    projections = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]  # (N, K) a layer
+    llm = LLM(str(path), dtype="float32", device="cpu", quantization=quantization)
+    model = llm.llm_engine.executor.worker.model
+    if quantization is None:
+        per_layer = sum(4 * n * k for n, k in projections)
+    else:  # int8 weights and a float32 scale per output row and group
+        qw = model.model.layers[0].self_attn.qkv_proj.weight
+        group = qw.group_size
+        per_layer = sum(n * k + 4 * n * (k // group) for n, k in projections)
+    head = model.lm_head.weight
+    head_bytes = (4 * vocab * h if not hasattr(head, "qweight")
+                  else head.qweight.nbytes + head.scales.nbytes)
+    # A quantized LM head is its own tensor: the float table beside it is read a row a step.
+    expected = layers * (per_layer + 2 * 4 * h) + 4 * h + head_bytes
+    assert weight_bytes_per_token(model) == expected
+    llm.shutdown()

@@ -202,3 +202,25 @@ def test_the_team_and_openmp_give_the_same_bits_with_a_core_busy(quantization):
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_resizing_the_team_never_hangs():
+    """torch.set_num_threads between loops rebuilds the team; a helper that starts after
+    its team was told to stop must still stop (a hang here is a failure, not a wait)."""
+    script = (
+        "import torch\n"
+        "from minivllm.fast import cpu_ops\n"
+        "ops = cpu_ops.ops()\n"
+        "for i in range(400):\n"
+        "    torch.set_num_threads(1 + i % 4)\n"
+        "    c = torch.zeros(257, dtype=torch.int32)\n"
+        "    ops.parallel_for_coverage(c, 1)\n"
+        "    assert bool((c == 1).all())\n"
+        "print('done')\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("parallel_for hung while the team was resized")
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]

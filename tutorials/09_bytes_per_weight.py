@@ -281,6 +281,25 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # what quantization costs is in the perplexity column printed in section 4.
 
 # %% [markdown]
+# The roofline on a laptop that is not idle
+# -----------------------------------------
+#
+# The roofline assumes the whole memory bandwidth is yours. When another program
+# holds one of the two cores, our second thread runs only in slices, and a loop
+# split in fixed halves (OpenMP's ``at::parallel_for``) waits for it every time:
+# batch-1 decode kept about a third of its quiet speed. Since one thread alone
+# streams the weights nearly as fast as two, the C++ kernels run on a thread team
+# (``minivllm/fast/csrc/thread_team.h``) that lets the running thread take a late
+# helper's chunks, and runs alone for a moment after helpers keep being late. To
+# see it on this machine (a minute or two)::
+#
+#     minivllm bench latency --dtype float32 --quantization int8 --no-profile \
+#         --busy-core --cpu-parallel adaptive openmp
+#
+# On the 2-core EPYC it kept 63% of the quiet int8 speed where OpenMP kept 36%
+# (``docs/kernels.md``, "Threads").
+
+# %% [markdown]
 # The test command
 # ----------------
 #
@@ -292,6 +311,7 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 #
 #    pytest -q tests/test_quantization.py tests/test_w8a8.py --backend=ref
 #    pytest -q tests/test_quantization.py tests/test_w8a8.py --backend=fast
+#    pytest -q tests/test_thread_team.py    # the threads under a busy core
 
 # %% [markdown]
 # The course task

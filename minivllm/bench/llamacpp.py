@@ -52,7 +52,9 @@ import time
 from pathlib import Path
 from types import MappingProxyType
 
-from minivllm.bench.harness import describe_machine, machine
+import torch
+
+from minivllm.bench.harness import describe_machine, machine, read_bandwidth
 
 
 def require_llama_cpp():
@@ -274,6 +276,22 @@ def main(argv: list[str] | None = None) -> int:
 MATCHING = MappingProxyType({"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "gguf": "Q4_1"})
 
 
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a batch-1 decode step reads: every weight once, the embedding table
+    only where it is also the LM head (one row of it is read otherwise)."""
+    from minivllm.fast.hugepages import weight_tensors
+
+    embed = model.model.embed_tokens.weight
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    tied = isinstance(head, torch.Tensor) and head.data_ptr() == embed.data_ptr()
+    storages = {}
+    for t in weight_tensors(model, buffers=False):
+        if t.data_ptr() == embed.data_ptr() and not tied:
+            continue
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def _minivllm_rows(args, settings: list[tuple[str, str | None]], batch_sizes: list[int]):
     """B-sequence batches and the long prefill through minivllm, per (dtype, quantization)."""
     from minivllm.bench.latency import make_llm, random_prompts, time_batch
@@ -286,7 +304,7 @@ def _minivllm_rows(args, settings: list[tuple[str, str | None]], batch_sizes: li
                        max_model_len=max(args.prompt_len + args.gen_len, args.prefill_len + 1) + 16)
         vocab = llm.llm_engine.vocab_size
         time_batch(llm, random_prompts(1, 16, vocab, 1), 4)  # warm up
-        row = {}
+        row = {"weight_bytes": weight_bytes_per_token(llm.llm_engine.executor.worker.model)}
         for b in batch_sizes:
             t = time_batch(llm, random_prompts(b, args.prompt_len, vocab, args.seed),
                            args.gen_len)
@@ -317,6 +335,7 @@ def compare(args, model_dir: Path) -> int:
     quants = [q for q in (args.quantization or "").split(",") if q]
     settings += [("auto", q) for q in quants]  # activations in the default dtype, as a user runs it
     load_before = os.getloadavg()
+    read_bw = read_bandwidth("cpu")  # the batch-1 roofline: read bandwidth / weight bytes
 
     ours = _minivllm_rows(args, settings, batch_sizes)
     theirs = {}
@@ -327,6 +346,7 @@ def compare(args, model_dir: Path) -> int:
             row.update(llama_bench(files[fmt], args.prefill_len, 128, args.threads, 1,
                                    args.llamacpp_dir))
             row["prefill_tok_s"] = row.get(f"pp{args.prefill_len}")
+        row["weight_bytes"] = files[fmt].stat().st_size  # the GGUF: its weights, read once
         theirs[fmt] = row
 
     b1, bmax = batch_sizes[0], batch_sizes[-1]
@@ -336,13 +356,18 @@ def compare(args, model_dir: Path) -> int:
              f"{describe_machine()}"
              + ("; one core kept busy by another process (--busy-core)"
                 if getattr(args, "busy_core", False) else ""),
-             f"{'engine':<22}{f'B={b1} total':>12}{f'B={b1} decode':>13}{f'B={bmax} total':>13}"
-             f"{'prefill' + str(args.prefill_len):>13}{'tg128':>8}"]
+             f"read bandwidth {read_bw / 1e9:.1f} GB/s (a float32 sum over 1 GiB, this run): "
+             f"roofline = read bandwidth / weight bytes, the batch-1 decode ceiling",
+             f"{'engine':<22}{f'B={b1} total':>12}{f'B={b1} decode':>13}{'roofline':>10}"
+             f"{'of it':>7}{f'B={bmax} total':>13}{'prefill' + str(args.prefill_len):>13}"
+             f"{'tg128':>8}"]
 
     def fmt_row(name, r):
         pre = r.get("prefill_tok_s")
         tg = r.get("tg128")
+        roof = read_bw / r["weight_bytes"]
         return (f"{name:<22}{r[b1]['total_tok_s']:>12.1f}{r[b1]['decode_tok_s']:>13.1f}"
+                f"{roof:>10.1f}{r[b1]['decode_tok_s'] / roof:>7.0%}"
                 f"{r[bmax]['total_tok_s']:>13.1f}{'' if pre is None else f'{pre:.1f}':>13}"
                 f"{'' if tg is None else f'{tg:.1f}':>8}")
 
@@ -370,6 +395,7 @@ def compare(args, model_dir: Path) -> int:
                                    llamacpp={k: {str(b): v for b, v in r.items()}
                                              for k, r in theirs.items()},
                                    load_average=[load_before, os.getloadavg()],
+                                   read_bandwidth=read_bw,
                                    machine=machine(),
                                    gguf={k: str(v) for k, v in files.items()}), indent=2))
     print(f"wrote {out}")

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from minivllm.fast import hugepages
 from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
 from minivllm.quantized_weight import QuantizedWeight
@@ -321,6 +322,8 @@ class LayerStack:
                                              (l.input_layernorm, l.post_attention_layernorm)]
         if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
             return "norm weights differ in dtype from the activations"
+        # The weights into huge pages (Linux): the step streams them with fewer TLB misses.
+        hugepages.rehome(model)
         kinds: list[int] = []
         weights: list[torch.Tensor] = []
         for layer in layers:

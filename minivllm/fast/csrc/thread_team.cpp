@@ -181,7 +181,9 @@ class Team {
 
   void helper_main() {
     in_team = true;
-    uint32_t seen = epoch_.load(std::memory_order_acquire);
+    // Not epoch_'s value now: a helper that starts late (after jobs, or after ~Team
+    // has asked it to stop) must see that the epoch moved, not sleep through it.
+    uint32_t seen = 0;
     for (;;) {
       const auto new_job = [&] { return epoch_.load() != seen; };
       if (!spin_until(new_job, HELPER_SPIN)) sleep_until(new_job);
