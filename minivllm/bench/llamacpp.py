@@ -284,12 +284,12 @@ def weight_bytes_per_token(model) -> int:
     embed = model.model.embed_tokens.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     tied = isinstance(head, torch.Tensor) and head.data_ptr() == embed.data_ptr()
-    storages = {}
+    seen = {}  # data pointer -> bytes: a tied weight counts once
     for t in weight_tensors(model, buffers=False):
         if t.data_ptr() == embed.data_ptr() and not tied:
             continue
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+        seen[t.data_ptr()] = t.nbytes
+    return sum(seen.values())
 
 
 def _minivllm_rows(args, settings: list[tuple[str, str | None]], batch_sizes: list[int]):
