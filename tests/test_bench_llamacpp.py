@@ -98,7 +98,7 @@ def test_weight_bytes_per_token_counts_what_a_decode_step_reads(tiny_model_dir, 
     expected = layers * (per_layer + 2 * 4 * h) + 4 * h + head_bytes
     assert weight_bytes_per_token(model) == expected
     # Moved into huge pages (each storage a huge page longer than its tensor): the same.
-    from minivllm.fast import hugepages
+    from minivllm.fast import model_runner_hugepages as hugepages
 
     model._minivllm_hugepages = False
     if hugepages.rehome(model, min_bytes=1):

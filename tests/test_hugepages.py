@@ -1,4 +1,4 @@
-"""``minivllm.fast.hugepages.rehome``: large weights moved into huge-page-advised memory.
+"""``minivllm.fast.model_runner_hugepages.rehome``: large weights moved into huge-page-advised memory.
 
 Moving must change nothing a model computes: every value, shape and stride is
 kept, tensors that shared memory (a tied embedding and LM head, a quantized
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.fast import hugepages
+from minivllm.fast import model_runner_hugepages as hugepages
 from minivllm.ref import quantization as ref_quant
 
 

@@ -279,7 +279,7 @@ MATCHING = MappingProxyType({"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a batch-1 decode step reads: every weight once, the embedding table
     only where it is also the LM head (one row of it is read otherwise)."""
-    from minivllm.fast.hugepages import weight_tensors
+    from minivllm.fast.model_runner_hugepages import weight_tensors
 
     embed = model.model.embed_tokens.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)

@@ -200,7 +200,7 @@ _TASKS = (
          "activation", "activation_cpp", ("silu_and_mul",),
          ("tests/course/test_task_cpp_silu_and_mul.py",),
          5, (KERNELS, _T05, "minivllm/fast/cpu_ops.py"), source="fast",
-         csrc=("activation.cpp",), csrc_headers=("ops.h",)),
+         csrc=("activation.cpp",), csrc_headers=("ops.h", "thread_team.h", "thread_team.cpp")),
     Task("int8_gemv", "int8 weights: quantize, dequantize, and a GEMV", "quantization",
          "quantization", ("quantize_int8", "dequantize_int8", "int8_gemv"),
          ("tests/course/test_task_int8_gemv.py",

@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("activation.cpp", "ops.h")
+SOURCES = ("activation.cpp", "ops.h", "thread_team.h", "thread_team.cpp")
 
+# The kernel, and the thread team its parallel_for runs on (thread_team.h), in one unit.
 _GLUE = """
 #include "activation.cpp"
+#include "thread_team.cpp"
 
 // (rows, 2 * I) -> (rows, I): allocate the output, call the kernel.
 torch::Tensor course_silu_and_mul(const torch::Tensor& input) {

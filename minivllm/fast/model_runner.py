@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from minivllm.fast import hugepages
+from minivllm.fast import model_runner_hugepages as hugepages
 from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
 from minivllm.quantized_weight import QuantizedWeight
