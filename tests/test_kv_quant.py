@@ -28,7 +28,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kernel_utils import (
     DTYPES,
@@ -76,6 +76,7 @@ def test_round_trip_is_within_half_a_step(rows, dim, log_magnitude, outlier, fmt
     x = torch.randn(rows, dim, generator=g) * 10.0**log_magnitude
     x[:, 0] *= outlier  # a dominant channel, as keys have
     x = x.to(dtype)
+    assume(torch.isfinite(x).all())  # 1e3 x 100 overflows float16: no finite input to round
     q, s = kv_quant.quantize(x, FORMATS[fmt])
     assert q.dtype == FORMATS[fmt] and s.dtype == torch.float32 and s.shape == x.shape[:-1]
     amax = x.float().abs().amax(-1)
