@@ -351,6 +351,9 @@ def test_tokenize_and_detokenize_round_trip(tiny) -> None:
     assert back["prompt"] == llm.get_tokenizer().decode(r["tokens"])
     bad = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [-1]}, headers=h)
     assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
+    # No messages at all (the fuzz test found a 500): a 400 naming the field.
+    bad = httpx.post(f"{server.base_url}/tokenize", json={"messages": []}, headers=h)
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
 
 
 def test_64_concurrent_streaming_clients_all_complete_correctly(tiny) -> None:
