@@ -231,7 +231,12 @@ class ForkMachine(RuleBasedStateMachine):
     @rule(lookahead=st.sampled_from([0, 0, 1]))
     def schedule_step(self, lookahead: int) -> None:
         """A scheduler's step: every running request in order; short of blocks, preempt the
-        most recently added one (itself last); then the forward."""
+        most recently added one (itself last); then the forward.
+
+        As the engine's scheduler, it never preempts a request that already has its slots
+        for this step (allocated by an earlier rule of the step): its blocks may be cached
+        under the hashes of tokens the forward has not written yet, and a scheduler
+        preempts only from the tail, behind the request it is scheduling."""
         order = list(self.running)
         index = 0
         while index < len(order):
@@ -242,7 +247,9 @@ class ForkMachine(RuleBasedStateMachine):
                 continue
             while not self._allocate(req_id, self.running[req_id],
                                      r.num_tokens - r.num_computed_tokens, lookahead=lookahead):
-                victim = order.pop()
+                # the tail's last request without slots this step (at worst this one)
+                victim = next(v for v in reversed(order[index:]) if v not in self.writes)
+                order.remove(victim)
                 self.preempt_one(victim)
                 if victim == req_id:
                     break
