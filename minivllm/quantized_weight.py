@@ -37,8 +37,10 @@ class QuantizedWeight:
         method: ``"int8"`` or ``"int4"``.
         qweight: int8 ``(..., N, K)``, or uint8 ``(..., N, K // 2)`` (two 4-bit
             values per byte, llama.cpp's order; see :mod:`minivllm.ref.quantization`).
-        scales: float32 ``(..., N, K // group_size)``: ``s`` or ``d``.
-        mins: float32 ``(..., N, K // group_size)``: ``m`` (int4), else None.
+        scales: float32 ``(..., N, K // group_size)``: ``s`` or ``d``; float16 where
+            a GGUF's blocks hold them so and ``activations="int8"`` (the integer
+            kernels widen them exactly).
+        mins: ``(..., N, K // group_size)``, the dtype of ``scales``: ``m`` (int4), else None.
         group_size: weights per scale along ``K``.
         ops: the ``quantization`` component whose ``quantized_linear`` runs
             the matmul (resolved once, when the model is quantized).

@@ -373,6 +373,31 @@ def test_gguf_native_blocks_are_the_converted_weights(smollm2_dir):
                                    rtol=1e-3, atol=1e-3)  # fmt: skip
 
 
+def test_gguf_integer_kernels_read_the_blocks_float16_scales_exactly(smollm2_dir):
+    """quantization="gguf" (W4A8: int8 activations) keeps the blocks' scales and minimums
+    in float16, as the file stores them (2 bytes a block less to read at batch 1), and its
+    logits are bit for bit those of the same weights with the scales widened to float32."""
+    import dataclasses
+
+    from minivllm.bench.quality import logits_of
+    from minivllm.model.loader import load_model
+    from minivllm.model.quantization import quantized_layers
+
+    half, _, _ = load_model(smollm2_dir, quantization="gguf")
+    wide, _, _ = load_model(smollm2_dir, quantization="gguf")
+    layers = [layer for _, layer in quantized_layers(wide)] + [wide.lm_head]
+    for layer in layers:
+        w = layer.weight
+        assert w.activations == "int8" and w.scales.dtype == torch.float16
+        assert w.mins is None or w.mins.dtype == torch.float16
+        layer.weight = dataclasses.replace(
+            w, scales=w.scales.float(), mins=None if w.mins is None else w.mins.float())
+    assert sum(l.weight.nbytes for l in layers) > 1.15 * sum(  # noqa: E741
+        l.weight.nbytes for l in [layer for _, layer in quantized_layers(half)] + [half.lm_head])
+    for ids in ([1, 2, 3], list(range(100, 108)), list(range(300, 440))):  # GEMV and prefill
+        assert torch.equal(logits_of(half, ids), logits_of(wide, ids))
+
+
 def test_smollm2_int8_perplexity_within_one_percent_of_float32(smollm2_dir):
     """Per-channel int8 weights, float activations (W8A16), against the float32 model it
     was made from, same compute dtype: measured +0.62% with the LM head in int8 as well

@@ -14,6 +14,7 @@ Run: ``pytest -q tests/test_w8a8.py --backend=ref`` and ``--backend=fast``.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -220,16 +221,24 @@ def test_the_instruction_set_is_chosen_from_the_cpus_flags():
        m=st.sampled_from([1, 3, 16, 64, 65]), n=st.sampled_from([1, 5, 8, 13, 37, 70]),
        groups=st.sampled_from([2, 6, 18]), seed=st.integers(0, 99),
        magnitude=st.sampled_from([1e-6, 1.0, 3e4]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       scale_dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, groups, seed,
-                                                                magnitude, dtype):
+                                                                magnitude, dtype, scale_dtype):
     """Bit for bit, whatever the instruction set: the activations, and the matmul (tiles
     of 8 rows with a ragged last tile, 1..65 rows of x, int8 per channel / per 32 / per 64,
-    4-bit)."""
+    4-bit; weight scales in float32, or float16 as a GGUF stores them, which must give
+    the bits of the same scales in float32)."""
     method, group_size = fmt
     k = 32 * groups
     c = cpu_ops.ops()
     qw = weight(method, n, k, seed, group_size)
+    if scale_dtype == torch.float16:  # scales a float16 holds; the ref reads them in float32
+        def widen(t):
+            return None if t is None else t.half().float()
+
+        qw = dataclasses.replace(qw, scales=widen(qw.scales), mins=widen(qw.mins))
+    stored = [t if t is None else t.to(scale_dtype) for t in (qw.scales, qw.mins)]
     x = activations(m, k, seed + 1, magnitude).to(dtype)
     a = ref.quantize_activations(x)
     want = (ref.w8a8_matmul(a, qw.qweight, qw.scales) if method == "int8"
@@ -241,10 +250,10 @@ def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, group
         assert torch.equal(q, a.q) and torch.equal(s, a.scales) and torch.equal(sums, a.sums)
         out = torch.full((m, n), float("nan"))
         if method == "int8":
-            c.w8a8_linear(out, q, s, qw.qweight, qw.scales, isa)
+            c.w8a8_linear(out, q, s, qw.qweight, stored[0], isa)
         else:
-            c.w4a8_linear(out, q, s, sums, qw.qweight, qw.scales, qw.mins, isa)
-        assert torch.equal(out, want), (isa, (out - want).abs().max())
+            c.w4a8_linear(out, q, s, sums, qw.qweight, *stored, isa)
+        assert torch.equal(out, want), (isa, scale_dtype, (out - want).abs().max())
 
 
 # --------------------------------------------------------------------------- models

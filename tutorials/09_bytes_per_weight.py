@@ -80,7 +80,8 @@ del big
 #
 # - int8, one float32 scale per output channel: ~1 byte a weight;
 # - 4-bit, groups of 32 with a float32 scale and minimum: 0.5 + 8/32 = 0.75 byte
-#   (llama.cpp's Q4_1 keeps them in fp16: 0.625).
+#   (llama.cpp's Q4_1 keeps them in fp16: 0.625; so does ``quantization="gguf"``,
+#   whose integer kernels read the file's fp16 scales as they are).
 
 # %%
 layers, hidden, inter, qkv, vocab = 30, 576, 1536, 960, 49152

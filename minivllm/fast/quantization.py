@@ -79,13 +79,16 @@ __all__ = [
 GEMV_MAX_ROWS = 128
 
 
-def _native(weight: QuantizedWeight) -> bool:
-    return weight.qweight.device.type == "cpu" and cpu_ops.available()
+def _native(weight: QuantizedWeight, float_scales: bool = False) -> bool:
+    """True if the C++ ops run ``weight``; ``float_scales``: for an op that reads float32
+    scales only (the W8A16 / W4A16 kernels; the W8A8 ones read float16 scales too)."""
+    return (weight.qweight.device.type == "cpu" and cpu_ops.available()
+            and (not float_scales or weight.scales.dtype == torch.float32))
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ``(N, K)`` weight in ``dtype``, from one threaded C++ pass (2-D, on a CPU)."""
-    if weight.qweight.dim() != 2 or not _native(weight):
+    if weight.qweight.dim() != 2 or not _native(weight, float_scales=True):
         return ref_dequantize(weight, dtype)
     out = torch.empty(tuple(weight.shape), dtype=dtype)
     if weight.method == "int8":
@@ -111,6 +114,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
         if bias is not None:
             y += bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    if not _native(weight, float_scales=True):
+        return ref_quantized_linear(x, weight, bias)
     if rows.shape[0] > GEMV_MAX_ROWS:  # prefill: the GEMM wins
         return F.linear(x, dequantize(weight, x.dtype), None if bias is None else bias.to(x.dtype))
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)  # (M, N)

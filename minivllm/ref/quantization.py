@@ -286,6 +286,7 @@ def w4a8_matmul(acts: QuantizedActivations, qweight: torch.Tensor, scales: torch
     q = unpack_int4(qweight)  # (N, K) in 0..15
     n, k = q.shape
     m, groups = _check_acts(acts, k)
+    scales, mins = scales.float(), mins.float()  # float16 ones (a GGUF's) widen exactly
     y = torch.zeros(m, n, dtype=torch.float32, device=qweight.device)
     for g in range(groups):
         cols = slice(g * ACT_GROUP_SIZE, (g + 1) * ACT_GROUP_SIZE)

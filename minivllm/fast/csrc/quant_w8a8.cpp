@@ -36,6 +36,9 @@
 //   AVX512-VNNI, else AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
 //   The SIMD tiles are written once, in quant_w8a8_tiles.h, and compiled once per
 //   instruction set below, each in its own namespace.
+// - Scales and minimums stored in float16 (a GGUF's blocks hold them so) are widened to
+//   float32 as a tile transposes them (F16C's vcvtph2ps): exact, so the bits are those of
+//   the same scales in float32, and a batch-1 step reads 2 bytes a group less per row.
 // - Threads take whole tiles (parallel_for), so each weight byte is read once.
 #include "ops.h"
 
@@ -70,12 +73,25 @@ struct W8A8Problem {
   int64_t m, k, groups;  // groups = k / 32
   const uint8_t* w;      // the weight's integers: row r at w + r * row_bytes
   int64_t row_bytes;     // k (int8) or k / 2 (4-bit)
-  const float* s;        // (n, s_groups) s_w or d
-  const float* mn;       // (n, groups) m_w (4-bit weights only)
+  const void* s;         // (n, s_groups) s_w or d: float32, or float16 (half_scales)
+  const void* mn;        // (n, groups) m_w (4-bit weights only), the same dtype
   int64_t s_groups;      // scales per weight row (int8: one per 32 * (groups / s_groups))
   int64_t n;
   float* y;              // (m, n) float32
+  bool half_scales;      // s and mn are float16, as a GGUF's blocks store them
 };
+
+// Scale (or minimum) i of `base` as a float32: a float16 converts exactly, so a weight
+// whose scales are stored in float16 gives the bits of the same scales in float32.
+inline float scale_at(const W8A8Problem& p, const void* base, int64_t i) {
+  return p.half_scales ? static_cast<float>(static_cast<const at::Half*>(base)[i])
+                       : static_cast<const float*>(base)[i];
+}
+
+// Where scale (or minimum) i of `base` is, for a prefetch.
+inline const char* scale_address(const W8A8Problem& p, const void* base, int64_t i) {
+  return static_cast<const char*>(base) + i * (p.half_scales ? 2 : 4);
+}
 
 // The weight rows of a tile: n0 .. n0 + nb - 1, padded to TILE by repeating the last (its
 // lanes are computed and dropped).
@@ -90,16 +106,16 @@ void transpose_scales(const W8A8Problem& p, int64_t n0, int64_t nb, float* sw, f
   const int64_t per_scale = p.groups / p.s_groups;  // activation groups per weight scale
   for (int64_t j = 0; j < TILE; ++j) {
     const int64_t r = tile_row(n0, nb, j);
-    const float* s = p.s + r * p.s_groups;
     if (p.s_groups == 1) {
-      sw[j] = s[0];
+      sw[j] = scale_at(p, p.s, r);
     } else {  // (no division by per_scale per element: an integer division costs ~40 cycles)
       for (int64_t gw = 0; gw < p.s_groups; ++gw) {
-        for (int64_t c = 0; c < per_scale; ++c) sw[(gw * per_scale + c) * TILE + j] = s[gw];
+        const float s = scale_at(p, p.s, r * p.s_groups + gw);
+        for (int64_t c = 0; c < per_scale; ++c) sw[(gw * per_scale + c) * TILE + j] = s;
       }
     }
     if (mw != nullptr) {
-      for (int64_t g = 0; g < p.groups; ++g) mw[g * TILE + j] = p.mn[r * p.groups + g];
+      for (int64_t g = 0; g < p.groups; ++g) mw[g * TILE + j] = scale_at(p, p.mn, r * p.groups + g);
     }
   }
 }
@@ -183,7 +199,7 @@ using QuantizeGroupFn = int32_t (*)(const float*, int8_t*, float*);
 // dot_u8s8(a, b): 8 int32 lanes, lane i = sum of a[4i + c] * b[4i + c] (c < 4), a unsigned.
 namespace avx2 {
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,f16c")
 inline __m256i dot_u8s8(__m256i a, __m256i b) {
   // maddubs: 16 int16 sums of pairs; madd by ones: 8 int32 sums of 4.
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
@@ -194,7 +210,7 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {
 
 namespace avxvnni {
 #pragma GCC push_options
-#pragma GCC target("avx2,avxvnni")
+#pragma GCC target("avx2,f16c,avxvnni")
 inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (VEX): the same, in one
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
 }
@@ -204,7 +220,7 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (VEX): the same, in
 
 namespace avx512vnni {
 #pragma GCC push_options
-#pragma GCC target("avx2,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,f16c,avx512f,avx512vl,avx512vnni")
 inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (EVEX, 256-bit)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
 }
@@ -226,7 +242,7 @@ std::vector<IsaEntry> available_isas() {
                                   quantize_group_portable}};
 #if MINIVLLM_W8A8_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
     out.push_back({"avx2", avx2::tiles<false>, avx2::tiles<true>, avx2::quantize_group});
     if (__builtin_cpu_supports("avxvnni")) {
       out.push_back({"avxvnni", avxvnni::tiles<false>, avxvnni::tiles<true>,
@@ -275,6 +291,11 @@ void check_activations(const at::Tensor& qx, const at::Tensor& xs, const at::Ten
                     t->is_contiguous() && t->scalar_type() == at::kFloat,
                 "x_scales and x_sums: (M, K / 32) float32, contiguous");
   }
+}
+
+// A weight's scales (and minimums): float32, or float16 as a GGUF's blocks hold them.
+bool is_scale_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
 }
 
 void check_out(const at::Tensor& out, int64_t m, int64_t n) {
@@ -326,13 +347,13 @@ void w8a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
   const int64_t n = qweight.size(0);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
                   groups % scales.size(1) == 0 && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat,
-              "scales: (N, G) float32, contiguous, groups of a multiple of 32");
+                  is_scale_dtype(scales),
+              "scales: (N, G) float32 or float16, contiguous, groups of a multiple of 32");
   check_out(out, m, n);
   const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), nullptr, m, k, groups,
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), k,
-                      scales.data_ptr<float>(), nullptr, scales.size(1), n,
-                      out.data_ptr<float>()};
+                      scales.data_ptr(), nullptr, scales.size(1), n,
+                      out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
   run(p, find_isa(isa).int8_tiles);
 }
 
@@ -347,14 +368,15 @@ void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
   const int64_t n = qweight.size(0);
   for (const at::Tensor* t : {&scales, &mins}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == groups &&
-                    t->is_contiguous() && t->scalar_type() == at::kFloat,
-                "scales and mins: (N, K / 32) float32, contiguous");
+                    t->is_contiguous() && is_scale_dtype(*t) &&
+                    t->scalar_type() == scales.scalar_type(),
+                "scales and mins: (N, K / 32), both float32 or both float16, contiguous");
   }
   check_out(out, m, n);
   const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(),
                       x_sums.data_ptr<float>(), m, k, groups, qweight.data_ptr<uint8_t>(), k / 2,
-                      scales.data_ptr<float>(), mins.data_ptr<float>(), groups, n,
-                      out.data_ptr<float>()};
+                      scales.data_ptr(), mins.data_ptr(), groups, n,
+                      out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
   run(p, find_isa(isa).int4_tiles);
 }
 

@@ -87,22 +87,25 @@ inline void transpose_scales_simd(const W8A8Problem& p, int64_t n0, int64_t nb, 
     transpose_scales(p, n0, nb, sw, mw);
     return;
   }
-  const float* rows[2][TILE];
-  for (int64_t j = 0; j < TILE; ++j) {
-    rows[0][j] = p.s + tile_row(n0, nb, j) * p.groups;
-    rows[1][j] = mw == nullptr ? nullptr : p.mn + tile_row(n0, nb, j) * p.groups;
-  }
+  const void* bases[2] = {p.s, p.mn};
+  int64_t first[TILE];  // row j's first scale
+  for (int64_t j = 0; j < TILE; ++j) first[j] = tile_row(n0, nb, j) * p.groups;
   for (int a = 0; a < (mw == nullptr ? 1 : 2); ++a) {
     float* dst = a == 0 ? sw : mw;
     int64_t g0 = 0;
     for (; g0 + 8 <= p.groups; g0 += 8) {
       __m256 r[8];
-      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows[a][j] + g0);
+      for (int j = 0; j < 8; ++j) {  // 8 scales of row j; float16 widened exactly (F16C)
+        const int64_t i = first[j] + g0;
+        r[j] = p.half_scales ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                   scale_address(p, bases[a], i))))
+                             : _mm256_loadu_ps(static_cast<const float*>(bases[a]) + i);
+      }
       transpose8(r);
       for (int c = 0; c < 8; ++c) _mm256_storeu_ps(dst + (g0 + c) * TILE, r[c]);
     }
     for (; g0 < p.groups; ++g0) {
-      for (int64_t j = 0; j < TILE; ++j) dst[g0 * TILE + j] = rows[a][j][g0];
+      for (int64_t j = 0; j < TILE; ++j) dst[g0 * TILE + j] = scale_at(p, bases[a], first[j] + g0);
     }
   }
 }
@@ -131,8 +134,9 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
     // bytes as its integers; read cold by transpose_scales_simd, they stalled the tile).
     const int64_t next_row = std::min<int64_t>(n0 + TILE, p.n - 1);
     const char* next = reinterpret_cast<const char*>(p.w + next_row * p.row_bytes);
-    const float* next_s = p.s + next_row * p.s_groups;
-    const float* next_m = INT4 ? p.mn + next_row * p.groups : nullptr;
+    const char* next_s = scale_address(p, p.s, next_row * p.s_groups);
+    const char* next_m = INT4 ? scale_address(p, p.mn, next_row * p.groups) : nullptr;
+    const int64_t scale_bytes = p.half_scales ? 2 : 4;
     for (int64_t m = 0; m < p.m; ++m) {
       const int8_t* x = p.qx + m * p.k;
       const float* xs = p.xs + m * p.groups;
@@ -142,12 +146,8 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
           for (int64_t b = 0; b < TILE * GROUP_BYTES; b += 64) {
             _mm_prefetch(next + g * TILE * GROUP_BYTES + b, _MM_HINT_T0);
           }
-          if (g < p.s_groups) {
-            _mm_prefetch(reinterpret_cast<const char*>(next_s + g * TILE), _MM_HINT_T0);
-          }
-          if constexpr (INT4) {
-            _mm_prefetch(reinterpret_cast<const char*>(next_m + g * TILE), _MM_HINT_T0);
-          }
+          if (g < p.s_groups) _mm_prefetch(next_s + g * TILE * scale_bytes, _MM_HINT_T0);
+          if constexpr (INT4) _mm_prefetch(next_m + g * TILE * scale_bytes, _MM_HINT_T0);
         }
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * GROUP));
         __m256i v[TILE];  // v[j]: row j's partial sums for this group
