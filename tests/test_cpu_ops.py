@@ -131,6 +131,21 @@ def test_attention_chunked_prefill_over_cached_prefix():
     check_attention([(70, 115), (1, 5), (33, 33)], 1, 7, 24, 16, torch.bfloat16, seed=3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_decode_split_by_kv_head_gives_the_batched_bits(dtype):
+    """Batch-1 decode has one work item, which the kernel cuts by KV head so both threads
+    work; heads are independent, so the sequence's output is bit for bit its output in a
+    batch of more sequences than threads (not cut)."""
+    seqs = [(1, 300), (1, 17), (1, 40), (1, 5)]
+    query, k_cache, v_cache, md, _ = paged_batch(seqs, 3, 3, 40, 16, dtype, seed=11)
+    scale = 40**-0.5
+    batched = attention.paged_attention_cpu(query, k_cache, v_cache, md, scale)
+    alone_md = AttentionMetadata.build([1], [300], md.block_tables[:1],
+                                       torch.full((1,), -1, dtype=torch.int64))
+    alone = attention.paged_attention_cpu(query[:1], k_cache, v_cache, alone_md, scale)
+    assert torch.equal(alone, batched[:1])
+
+
 def test_attention_reads_a_strided_query():
     """The model passes q as a view of its fused qkv projection (token stride > H * D)."""
     seqs = [(5, 40), (1, 17), (12, 12), (1, 70)]

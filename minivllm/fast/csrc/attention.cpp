@@ -28,7 +28,9 @@
 //   (pv_block) and reads each V row once per block, instead of streaming the
 //   accumulator through memory once per (key, query vector).
 // - Items are spread over threads with parallel_for (thread_team.h), one contiguous run
-//   of about equal work (keys x query vectors) per chunk, a few chunks per thread.
+//   of about equal work (keys x query vectors) per chunk, a few chunks per thread. A
+//   batch of fewer items than threads (batch-1 decode: one) is cut by KV head instead,
+//   so the second thread is not idle through every layer's attention.
 // - A quantized cache (int8 / fp8 e4m3 codes, a float32 scale per token and KV
 //   head: kv_cache.h) is read as it is, 1 byte an element: each row's codes are
 //   widened into an L1 buffer when it is used, never into a copy of the cache, and
@@ -74,11 +76,13 @@ inline void pv_block(const float* __restrict p, const float* const* v_rows, int6
   }
 }
 
-// One work item: query rows [row_begin, row_end) of sequence seq; `tiled` items
-// (prefill chunks) run attention_tile.h's GEMM-shaped loop, the others this file's.
+// One work item: query rows [row_begin, row_end) of sequence seq, for KV heads
+// [head_begin, head_end) (all of them, unless a small batch is split by head); `tiled`
+// items (prefill chunks) run attention_tile.h's GEMM-shaped loop, the others this file's.
 struct Item {
   int64_t seq, row_begin, row_end;
   bool tiled;
+  int64_t head_begin, head_end;
 };
 
 // scalar_t: the query's (and output's) dtype; cache_t: the cache's, scalar_t itself or
@@ -124,8 +128,24 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     const bool tiled = gemm_prefill && query_len >= GEMM_MIN_ROWS;
     const int64_t rows = tiled ? tile_rows : rows_per_item;
     for (int64_t r = 0; r < query_len; r += rows) {
-      items.push_back({s, r, std::min<int64_t>(r + rows, query_len), tiled});
+      items.push_back({s, r, std::min<int64_t>(r + rows, query_len), tiled, 0, num_kv_heads});
     }
+  }
+  // Fewer items than threads (a decode step of one or a few sequences): one item per KV
+  // head instead, so every thread has work. Heads are independent, so the results are
+  // the same bits either way; an item then reads its head's part of each cached row.
+  if (static_cast<int64_t>(items.size()) < team_threads() && num_kv_heads > 1) {
+    std::vector<Item> by_head;
+    for (const Item& it : items) {
+      if (it.tiled) {
+        by_head.push_back(it);
+        continue;
+      }
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        by_head.push_back({it.seq, it.row_begin, it.row_end, false, h, h + 1});
+      }
+    }
+    items.swap(by_head);
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t m_cap = (rows_per_item * group + MR - 1) / MR * MR;  // per KV head, padded
@@ -136,7 +156,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
   for (int64_t w = 0; w < num_items; ++w) {
     const Item& it = items[w];
     const int64_t keys = lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.row_end;
-    item_work[w] = keys * (it.row_end - it.row_begin) * num_heads * head_dim;
+    item_work[w] = keys * (it.row_end - it.row_begin) * (it.head_end - it.head_begin) * group *
+                   head_dim;
     work += item_work[w];
   }
   // Contiguous runs of items (CHUNKS_PER_THREAD a thread), cut where the cumulative
@@ -193,7 +214,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
       // Query vector m of KV head h = (row, head in the group), pre-scaled, as
       // float32; the padding up to a multiple of MR is zero and its results unused.
       for (int64_t m = 0; m < m_pad; ++m) pos[m] = m < m_count ? ctx + it.row_begin + m / group : -1;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t h = it.head_begin; h < it.head_end; ++h) {
         for (int64_t m = 0; m < m_pad; ++m) {
           float* qb = q_buf.data() + (h * m_cap + m) * head_dim;
           if (m < m_count) {
@@ -226,7 +247,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
         }
         // Every KV head of the tile while its rows are in cache: a token's heads are
         // adjacent in memory, so the item reads the cache as whole contiguous rows.
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t h = it.head_begin; h < it.head_end; ++h) {
           const float* qh = q_buf.data() + h * m_cap * head_dim;
           float* acc_h = acc.data() + h * m_cap * head_dim;
           float* max_h = row_max.data() + h * m_cap;
@@ -241,7 +262,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
                 __builtin_prefetch(v_ptr + next_off[j] + h * c_sh + d);
               }
               if constexpr (is_quantized_v<cache_t>) {  // and the key's scales, once
-                if (h == 0) {
+                if (h == it.head_begin) {
                   __builtin_prefetch(k_scale + next_slot[j] * num_kv_heads);
                   __builtin_prefetch(v_scale + next_slot[j] * num_kv_heads);
                 }
@@ -307,7 +328,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
           }
         }
       }
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t h = it.head_begin; h < it.head_end; ++h) {
         for (int64_t m = 0; m < m_count; ++m) {
           const int64_t row = it.row_begin + m / group;
           scalar_t* o = o_ptr + (qsl[it.seq] + row) * o_st + (h * group + m % group) * o_sh;
