@@ -43,6 +43,9 @@
 
 #include <algorithm>
 #include <limits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -51,20 +54,69 @@ namespace {
 
 constexpr int64_t KEY_TILE = 32;          // keys per online-softmax update
 constexpr int64_t MR = 4;                 // query vectors per register block
-constexpr int64_t DC = 32;                // head_dim elements per register block of p @ V
+constexpr int64_t DC = 16;                // head_dim elements per register block of p @ V
 constexpr int64_t MAX_TILE_QUERIES = 32;  // query vectors (rows x group heads) per item
 constexpr int64_t GEMM_MIN_ROWS = 8;      // sequences with this many query rows: GEMM tiles
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// The next key tile's rows of one KV head (K's or V's), asked for a few at a time while
+// this tile is computed: blocks sit anywhere in the cache, where no hardware prefetcher
+// looks, and a burst of requests per tile stalls on the full miss queue.
+struct Prefetch {
+  const char* row[KEY_TILE];
+  int64_t count = 0;      // rows of the next tile (0: none)
+  int64_t row_bytes = 0;  // head_dim * sizeof(cache_t)
+  void rows(int64_t begin, int64_t end) const {
+    for (int64_t j = begin; j < std::min(end, count); ++j) {
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row[j] + b);
+    }
+  }
+};
+
 // acc[r][d0 + l] += sum_j p[r][j] * v_j[d0 + l] for MR query vectors and DC
 // elements of head_dim: MR x DC accumulators in registers, each V row loaded once.
+// With AVX2 the 8 accumulators are named vectors (GCC kept one of the array's in
+// memory, a store and a reload per key on the loop's critical path).
 inline void pv_block(const float* __restrict p, const float* const* v_rows, int64_t kt,
-                     float* __restrict acc, int64_t head_dim, int64_t d0) {
+                     float* __restrict acc, int64_t head_dim, int64_t d0,
+                     const Prefetch* prefetch = nullptr) {
+#if defined(__AVX2__) && defined(__FMA__)
+  static_assert(MR == 4 && DC == 16, "the registers below are 4 vectors x 2 halves");
+  float* r0 = acc + d0;
+  float* r1 = r0 + head_dim;
+  float* r2 = r1 + head_dim;
+  float* r3 = r2 + head_dim;
+  __m256 a00 = _mm256_loadu_ps(r0), a01 = _mm256_loadu_ps(r0 + 8);
+  __m256 a10 = _mm256_loadu_ps(r1), a11 = _mm256_loadu_ps(r1 + 8);
+  __m256 a20 = _mm256_loadu_ps(r2), a21 = _mm256_loadu_ps(r2 + 8);
+  __m256 a30 = _mm256_loadu_ps(r3), a31 = _mm256_loadu_ps(r3 + 8);
+  for (int64_t j = 0; j < kt; ++j) {
+    if (prefetch != nullptr) prefetch->rows(j, j + 1);
+    const __m256 v0 = _mm256_loadu_ps(v_rows[j] + d0), v1 = _mm256_loadu_ps(v_rows[j] + d0 + 8);
+    __m256 pr = _mm256_broadcast_ss(p + j);
+    a00 = _mm256_fmadd_ps(pr, v0, a00);
+    a01 = _mm256_fmadd_ps(pr, v1, a01);
+    pr = _mm256_broadcast_ss(p + KEY_TILE + j);
+    a10 = _mm256_fmadd_ps(pr, v0, a10);
+    a11 = _mm256_fmadd_ps(pr, v1, a11);
+    pr = _mm256_broadcast_ss(p + 2 * KEY_TILE + j);
+    a20 = _mm256_fmadd_ps(pr, v0, a20);
+    a21 = _mm256_fmadd_ps(pr, v1, a21);
+    pr = _mm256_broadcast_ss(p + 3 * KEY_TILE + j);
+    a30 = _mm256_fmadd_ps(pr, v0, a30);
+    a31 = _mm256_fmadd_ps(pr, v1, a31);
+  }
+  _mm256_storeu_ps(r0, a00), _mm256_storeu_ps(r0 + 8, a01);
+  _mm256_storeu_ps(r1, a10), _mm256_storeu_ps(r1 + 8, a11);
+  _mm256_storeu_ps(r2, a20), _mm256_storeu_ps(r2 + 8, a21);
+  _mm256_storeu_ps(r3, a30), _mm256_storeu_ps(r3 + 8, a31);
+#else
   float a[MR][DC];
   for (int64_t r = 0; r < MR; ++r) {
     for (int64_t l = 0; l < DC; ++l) a[r][l] = acc[r * head_dim + d0 + l];
   }
   for (int64_t j = 0; j < kt; ++j) {
+    if (prefetch != nullptr) prefetch->rows(j, j + 1);
     const float* v = v_rows[j] + d0;
     for (int64_t r = 0; r < MR; ++r) {
       const float pr = p[r * KEY_TILE + j];
@@ -74,6 +126,56 @@ inline void pv_block(const float* __restrict p, const float* const* v_rows, int6
   for (int64_t r = 0; r < MR; ++r) {
     for (int64_t l = 0; l < DC; ++l) acc[r * head_dim + d0 + l] = a[r][l];
   }
+#endif
+}
+
+// Keys t0 .. t0 + count - 1 of a sequence whose block table is `table`: each one's slot
+// in the cache (block id * block_size + offset) and its element offset (c_sb, c_ss: the
+// cache's block and slot strides).
+inline void locate_keys(const int32_t* table, int64_t t0, int64_t count, int64_t block_size,
+                        int64_t c_sb, int64_t c_ss, int64_t* slot, int64_t* off) {
+  if (count <= 0) return;
+  int64_t b = t0 / block_size, r = t0 % block_size;
+  for (int64_t j = 0; j < count; ++j) {
+    slot[j] = table[b] * block_size + r;
+    off[j] = table[b] * c_sb + r * c_ss;
+    if (++r == block_size) {
+      r = 0;
+      ++b;
+    }
+  }
+}
+
+// s[j] = q . k_rows[j] for j < kt. With AVX2, 8 keys at a time: 8 independent FMA
+// chains (a single dot product's chain waits on its own FMA latency), whose 8 sums
+// come out of one tree of horizontal adds; the rest one key at a time.
+inline void score_row(const float* __restrict q, const float* const* k_rows, int64_t kt,
+                      int64_t head_dim, float* __restrict s,
+                      const Prefetch* prefetch = nullptr) {
+  int64_t j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (head_dim % 8 == 0) {
+    for (; j0 + 8 <= kt; j0 += 8) {
+      if (prefetch != nullptr) prefetch->rows(j0, j0 + 8);
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j) {
+          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[j0 + j] + d), acc[j]);
+        }
+      }
+      // [a0..a7] -> lane j = sum of acc[j]: pairs, quads, then the two 128-bit halves.
+      const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+      const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+      const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+      _mm256_storeu_ps(s + j0, _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                             _mm256_permute2f128_ps(h0123, h4567, 0x31)));
+    }
+  }
+#endif
+  if (prefetch != nullptr) prefetch->rows(j0, KEY_TILE);
+  for (int64_t j = j0; j < kt; ++j) s[j] = dot(q, k_rows[j], head_dim);
 }
 
 // One work item: query rows [row_begin, row_end) of sequence seq, for KV heads
@@ -180,7 +282,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
     // vectors [h * m_cap, (h + 1) * m_cap) of q_buf / acc / row_max / row_sum.
     std::vector<float> q_buf(num_kv_heads * m_cap * head_dim), acc(q_buf.size());
     std::vector<float> row_max(num_kv_heads * m_cap), row_sum(row_max.size());
-    std::vector<float> scores(m_cap * KEY_TILE), k_buf(head_dim);
+    std::vector<float> scores(m_cap * KEY_TILE);
+    std::vector<float> k_buf(std::is_same_v<cache_t, float> ? 0 : KEY_TILE * head_dim);
+    float k_scales_tile[KEY_TILE];  // a quantized tile's K scales (s_k (q . codes))
+    const float* k_rows[KEY_TILE];
     float v_scales[KEY_TILE];  // a quantized tile's V scales (p s_v weighs each row)
     std::vector<float> v_buf(std::is_same_v<cache_t, float> ? 0 : KEY_TILE * head_dim);
     std::vector<int64_t> pos(m_cap);
@@ -233,18 +338,12 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
       const int64_t num_keys = ctx + it.row_end;  // the last row sees this many
       for (int64_t t0 = 0; t0 < num_keys; t0 += KEY_TILE) {
         const int64_t kt = std::min(KEY_TILE, num_keys - t0);
-        for (int64_t j = 0; j < kt; ++j) {  // key t lives in block table[t / bs], slot t % bs
-          const int64_t t = t0 + j;
-          key_slot[j] = table[t / block_size] * block_size + t % block_size;
-          key_off[j] = table[t / block_size] * c_sb + (t % block_size) * c_ss;
-        }
+        // Key t lives in block table[t / bs], slot t % bs: one division a tile, then the
+        // slot steps along (a 64-bit division per key cost more than its dot products).
+        locate_keys(table, t0, kt, block_size, c_sb, c_ss, key_slot, key_off);
         // Where the next tile's keys are, to prefetch them while this tile is scored.
         const int64_t next_kt = std::clamp<int64_t>(num_keys - t0 - KEY_TILE, 0, KEY_TILE);
-        for (int64_t j = 0; j < next_kt; ++j) {
-          const int64_t t = t0 + KEY_TILE + j;
-          next_slot[j] = table[t / block_size] * block_size + t % block_size;
-          next_off[j] = table[t / block_size] * c_sb + (t % block_size) * c_ss;
-        }
+        locate_keys(table, t0 + KEY_TILE, next_kt, block_size, c_sb, c_ss, next_slot, next_off);
         // Every KV head of the tile while its rows are in cache: a token's heads are
         // adjacent in memory, so the item reads the cache as whole contiguous rows.
         for (int64_t h = it.head_begin; h < it.head_end; ++h) {
@@ -252,38 +351,38 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
           float* acc_h = acc.data() + h * m_cap * head_dim;
           float* max_h = row_max.data() + h * m_cap;
           float* sum_h = row_sum.data() + h * m_cap;
-          for (int64_t j = 0; j < kt; ++j) {
-            // Ask for the next tile's rows of this head now, one key at a time so the
-            // requests overlap the arithmetic: blocks sit anywhere in the cache, where
-            // no hardware prefetcher looks, and each load would wait for memory.
-            if (j < next_kt) {
-              for (int64_t d = 0; d < head_dim; d += 64 / sizeof(cache_t)) {  // a cache line
-                __builtin_prefetch(k_ptr + next_off[j] + h * c_sh + d);
-                __builtin_prefetch(v_ptr + next_off[j] + h * c_sh + d);
-              }
-              if constexpr (is_quantized_v<cache_t>) {  // and the key's scales, once
-                if (h == it.head_begin) {
-                  __builtin_prefetch(k_scale + next_slot[j] * num_kv_heads);
-                  __builtin_prefetch(v_scale + next_slot[j] * num_kv_heads);
-                }
+          // The next tile's rows of this head: K's asked for while the scores are
+          // computed, V's while p @ V is (and a quantized cache's scales now).
+          Prefetch next_k, next_v;
+          next_k.count = next_v.count = next_kt;
+          next_k.row_bytes = next_v.row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+          for (int64_t j = 0; j < next_kt; ++j) {
+            next_k.row[j] = reinterpret_cast<const char*>(k_ptr + next_off[j] + h * c_sh);
+            next_v.row[j] = reinterpret_cast<const char*>(v_ptr + next_off[j] + h * c_sh);
+            if constexpr (is_quantized_v<cache_t>) {
+              if (h == it.head_begin) {
+                __builtin_prefetch(k_scale + next_slot[j] * num_kv_heads);
+                __builtin_prefetch(v_scale + next_slot[j] * num_kv_heads);
               }
             }
+          }
+          for (int64_t j = 0; j < kt; ++j) {
             const int64_t off = key_off[j] + h * c_sh;
-            // V as float32: a float32 cache's rows in place, else one float32 copy of
-            // the tile's rows (widened; a quantized row's codes, its scale kept aside).
+            // K and V as float32: a float32 cache's rows in place, else one float32 copy
+            // of the tile's rows (widened; a quantized row's codes, its scale kept aside).
             v_rows[j] = row_as_float(v_ptr + off, v_buf.data() + j * head_dim, head_dim);
-            // Scores: each key row is loaded once and dotted with every query vector.
-            const float* k = row_as_float(k_ptr + off, k_buf.data(), head_dim);
-            if constexpr (is_quantized_v<cache_t>) {  // s_k (q . codes)
-              const float ks = k_scale[key_slot[j] * num_kv_heads + h];
+            k_rows[j] = row_as_float(k_ptr + off, k_buf.data() + j * head_dim, head_dim);
+            if constexpr (is_quantized_v<cache_t>) {
+              k_scales_tile[j] = k_scale[key_slot[j] * num_kv_heads + h];
               v_scales[j] = v_scale[key_slot[j] * num_kv_heads + h];
-              for (int64_t m = 0; m < m_count; ++m) {
-                scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim) * ks;
-              }
-            } else {
-              for (int64_t m = 0; m < m_count; ++m) {
-                scores[m * KEY_TILE + j] = dot(qh + m * head_dim, k, head_dim);
-              }
+            }
+          }
+          // Scores: every query vector against the tile's keys, 8 keys at a time.
+          for (int64_t m = 0; m < m_count; ++m) {
+            score_row(qh + m * head_dim, k_rows, kt, head_dim, scores.data() + m * KEY_TILE,
+                      m == 0 ? &next_k : nullptr);
+            if constexpr (is_quantized_v<cache_t>) {  // s_k (q . codes)
+              for (int64_t j = 0; j < kt; ++j) scores[m * KEY_TILE + j] *= k_scales_tile[j];
             }
           }
           // Online softmax: mask, then fold this tile's scores into the running max and sum.
@@ -295,14 +394,16 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
               continue;
             }
             float tile_max = NEG_INF;
-            for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+            for (int64_t j = 0; j < visible; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
             const float new_max = std::max(max_h[m], tile_max);
             const float alpha = fast_exp(max_h[m] - new_max);  // 0 on the first tile
-            float tile_sum = 0.f;
-            for (int64_t j = 0; j < kt; ++j) {
-              s[j] = j < visible ? fast_exp(s[j] - new_max) : 0.f;
-              tile_sum += s[j];
-            }
+            // The exponentials in one loop with no sum in it, so it vectorises (a running
+            // float sum would keep it scalar: its order is fixed); then the sum, in lanes.
+            for (int64_t j = 0; j < visible; ++j) s[j] = fast_exp(s[j] - new_max);
+            std::fill(s + visible, s + kt, 0.f);
+            float lanes[LANES] = {0.f};
+            for (int64_t j = 0; j < kt; ++j) lanes[j % LANES] += s[j];
+            const float tile_sum = reduce_lanes(lanes);
             if constexpr (is_quantized_v<cache_t>) {  // weigh each V row's codes by p s_v
               for (int64_t j = 0; j < kt; ++j) s[j] *= v_scales[j];
             }
@@ -318,7 +419,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
             float* a = acc_h + m0 * head_dim;
             const float* p = scores.data() + m0 * KEY_TILE;
             int64_t d0 = 0;
-            for (; d0 + DC <= head_dim; d0 += DC) pv_block(p, v_rows, kt, a, head_dim, d0);
+            for (; d0 + DC <= head_dim; d0 += DC) {
+              pv_block(p, v_rows, kt, a, head_dim, d0, m0 == 0 && d0 == 0 ? &next_v : nullptr);
+            }
             for (int64_t j = 0; j < kt && d0 < head_dim; ++j) {  // head_dim % DC tail
               for (int64_t r = 0; r < MR; ++r) {
                 const float pr = p[r * KEY_TILE + j];
