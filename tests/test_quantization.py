@@ -383,17 +383,20 @@ def test_gguf_integer_kernels_read_the_blocks_float16_scales_exactly(smollm2_dir
     from minivllm.model.loader import load_model
     from minivllm.model.quantization import quantized_layers
 
+    def weights(model):
+        return [layer.weight for _, layer in quantized_layers(model)] + [model.lm_head.weight]
+
     half, _, _ = load_model(smollm2_dir, quantization="gguf")
     wide, _, _ = load_model(smollm2_dir, quantization="gguf")
+    for w in weights(half):
+        assert w.activations == "int8" and w.scales.dtype == torch.float16
+        assert w.mins is None or w.mins.dtype == torch.float16
     layers = [layer for _, layer in quantized_layers(wide)] + [wide.lm_head]
     for layer in layers:
         w = layer.weight
-        assert w.activations == "int8" and w.scales.dtype == torch.float16
-        assert w.mins is None or w.mins.dtype == torch.float16
         layer.weight = dataclasses.replace(
             w, scales=w.scales.float(), mins=None if w.mins is None else w.mins.float())
-    assert sum(l.weight.nbytes for l in layers) > 1.15 * sum(  # noqa: E741
-        l.weight.nbytes for l in [layer for _, layer in quantized_layers(half)] + [half.lm_head])
+    assert sum(w.nbytes for w in weights(wide)) > 1.15 * sum(w.nbytes for w in weights(half))
     for ids in ([1, 2, 3], list(range(100, 108)), list(range(300, 440))):  # GEMV and prefill
         assert torch.equal(logits_of(half, ids), logits_of(wide, ids))
 

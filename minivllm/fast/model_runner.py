@@ -244,6 +244,8 @@ def _projection(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor]] | str:
         if w.ops is not fast_quantization or w.qweight.dim() != 2 or w.method not in ("int8", "int4"):
             return "a quantized weight not served by the fast quantization twin"
         int8_activations = w.activations == "int8"  # W8A8 / W4A8: integer dot products
+        if not int8_activations and w.scales.dtype != torch.float32:
+            return "a float-activation quantized weight with float16 scales"
         if w.method == "int8":
             return INT8_W8A8 if int8_activations else INT8_WEIGHT, [w.qweight, w.scales, w.scales]
         return INT4_W4A8 if int8_activations else INT4_WEIGHT, [w.qweight, w.scales, w.mins]
