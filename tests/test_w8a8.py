@@ -15,6 +15,10 @@ Run: ``pytest -q tests/test_w8a8.py --backend=ref`` and ``--backend=fast``.
 from __future__ import annotations
 
 import dataclasses
+import platform
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -197,8 +201,6 @@ def test_the_instruction_set_is_chosen_from_the_cpus_flags():
     if not Path("/proc/cpuinfo").exists():
         pytest.skip("no /proc/cpuinfo to compare with")
     flags = _cpu_flags()
-    import platform
-
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     want = ["portable"]
     if x86 and "avx2" in flags:
@@ -213,6 +215,55 @@ def test_the_instruction_set_is_chosen_from_the_cpus_flags():
     a = ref.quantize_activations(torch.randn(1, 32))
     with pytest.raises(RuntimeError, match="isa must be"):
         cpu_ops.ops().w8a8_linear(out, a.q, a.scales, qw.qweight, qw.scales, "sse9")
+
+
+#: A CPU with AVX512-VNNI (and everything before it), for GCC/clang's -march.
+VNNI_TARGET = "-march=icelake-server"
+
+
+def _function_bodies(asm: str, pattern: str) -> dict[str, str]:
+    """The assembly of each function whose (mangled) label contains ``pattern``."""
+    bodies, name, lines = {}, None, []
+    for line in asm.splitlines():
+        label = re.match(r"^([A-Za-z_][\w.$]*):", line)
+        if label and not label.group(1).startswith("."):
+            name, lines = label.group(1), []
+            if pattern in name:
+                bodies[name] = lines
+        elif name is not None and pattern in name:
+            lines.append(line)
+    return {k: "\n".join(v) for k, v in bodies.items()}
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64")
+                    or shutil.which("c++") is None, reason="needs an x86 C++ compiler")
+def test_the_portable_loop_stays_scalar_when_built_for_a_vnni_cpu(tmp_path):
+    """The portable loop must keep its arithmetic whatever -march the library gets.
+
+    GCC 12 vectorises the plain signed x signed int8 dot product with ``vpdpbusd`` on an
+    AVX512-VNNI target; that instruction reads one operand as *unsigned* bytes, so a
+    negative weight counts as w + 256 and the portable ISA was 2-4x off on such a CPU
+    (issue 37). This CPU need not have VNNI: the test compiles quant_w8a8.cpp with the
+    library's own flags for an AVX512-VNNI target and reads the portable functions'
+    assembly, which must hold no VNNI dot product (and no vector arithmetic at all)."""
+    from torch.utils import cpp_extension
+
+    flags = [VNNI_TARGET if f.startswith(("-march=", "-mcpu=")) else f
+             for f in cpu_ops.compile_flags()]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    out = tmp_path / "quant_w8a8.s"
+    cmd = ["c++", "-std=c++17", "-fPIC", *flags, *includes, "-S",
+           str(cpu_ops.CSRC / "quant_w8a8.cpp"), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bodies = _function_bodies(out.read_text(), "portable")
+    # quantize_group_portable and portable_tiles<false>, portable_tiles<true>
+    assert len(bodies) >= 3, sorted(bodies)
+    for name, body in bodies.items():
+        for bad in ("vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd"):
+            assert bad not in body, f"{name} uses {bad} when built with {' '.join(flags)}"
+        assert not re.search(r"\bv\w+\s+[^\n]*%[yz]mm", body), \
+            f"{name} was vectorised when built with {' '.join(flags)}"
 
 
 @needs_cpp
@@ -247,13 +298,15 @@ def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, group
         q, s, sums = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, groups),
                       torch.empty(m, groups))
         c.quantize_activations_int8(q, s, sums, x, isa)
-        assert torch.equal(q, a.q) and torch.equal(s, a.scales) and torch.equal(sums, a.sums)
+        assert torch.equal(q, a.q) and torch.equal(s, a.scales) and torch.equal(sums, a.sums), \
+            (isa, " ".join(cpu_ops.compile_flags()))
         out = torch.full((m, n), float("nan"))
         if method == "int8":
             c.w8a8_linear(out, q, s, qw.qweight, stored[0], isa)
         else:
             c.w4a8_linear(out, q, s, sums, qw.qweight, *stored, isa)
-        assert torch.equal(out, want), (isa, scale_dtype, (out - want).abs().max())
+        assert torch.equal(out, want), (isa, " ".join(cpu_ops.compile_flags()), scale_dtype,
+                                        (out - want).abs().max())
 
 
 # --------------------------------------------------------------------------- models

@@ -134,9 +134,26 @@ void unpack_row4(const uint8_t* src, int64_t k, uint8_t* dst) {
   }
 }
 
+// The portable loop is plain scalar C, never vectorised by the compiler. With
+// -march=native on an AVX512-VNNI CPU, GCC 12 turns its signed x signed int8 dot product
+// into vpdpbusd, which reads one operand as unsigned bytes: wrong sums (a negative weight
+// counts as w + 256). The scalar loop is the oracle the SIMD tiles are checked against on
+// a CPU without AVX2, so it must hold whatever flags the library is built with
+// (tests/test_w8a8.py compiles this file for an AVX512-VNNI target and reads its assembly).
+#if defined(__clang__)
+#define MINIVLLM_SCALAR_LOOP
+#define MINIVLLM_NO_VECTORIZE _Pragma("clang loop vectorize(disable) interleave(disable)")
+#elif defined(__GNUC__)
+#define MINIVLLM_SCALAR_LOOP __attribute__((optimize("no-tree-vectorize", "no-tree-slp-vectorize")))
+#define MINIVLLM_NO_VECTORIZE
+#else
+#define MINIVLLM_SCALAR_LOOP
+#define MINIVLLM_NO_VECTORIZE
+#endif
+
 // One group of 32 activations: q = round(x * (1 / s)), s = max |x| / 127; returns sum(q).
 // The portable loop; the SIMD one (quant_w8a8_tiles.h) gives the same bits.
-int32_t quantize_group_portable(const float* x, int8_t* q, float* scale) {
+MINIVLLM_SCALAR_LOOP int32_t quantize_group_portable(const float* x, int8_t* q, float* scale) {
   float amax = 0.f;
   for (int64_t l = 0; l < GROUP; ++l) {
     const float a = std::fabs(x[l]);
@@ -158,7 +175,7 @@ int32_t quantize_group_portable(const float* x, int8_t* q, float* scale) {
 // ------------------------------------------------------------------ the portable loop
 // The ref's sums written out: an int32 dot product per group, then the rescale.
 template <bool INT4>
-void portable_tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
+MINIVLLM_SCALAR_LOOP void portable_tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
   std::vector<uint8_t> row4(INT4 ? p.k : 0);
   std::vector<float> sw(TILE * p.groups), mw(INT4 ? TILE * p.groups : 0);
   const int64_t ss = scale_stride(p);
@@ -176,6 +193,7 @@ void portable_tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
         float acc = 0.f;
         for (int64_t g = 0; g < p.groups; ++g) {
           int32_t isum = 0;
+          MINIVLLM_NO_VECTORIZE
           for (int64_t i = g * GROUP; i < (g + 1) * GROUP; ++i) {
             const int32_t w = INT4 ? static_cast<int32_t>(row[i])
                                    : static_cast<int32_t>(static_cast<int8_t>(row[i]));
