@@ -62,7 +62,7 @@ def metrics(server, key: str | None = KEY) -> dict[str, float]:
     text = httpx.get(f"{server.base_url}/metrics", headers=headers, timeout=10).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(minivllm:[a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? (\S+)$", line)
         if m and 'le="' not in (m.group(2) or ""):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
@@ -250,7 +250,7 @@ def test_every_bad_input_gets_its_4xx_and_the_server_still_answers(tiny) -> None
     ok = c.completions.create(model="tiny", prompt="hi", temperature=0, max_tokens=5,
                               extra_body={"ignore_eos": True})
     assert ok.choices[0].text == want
-    assert metrics(server)["minivllm:num_requests_running"] == 0
+    assert metrics(server)["vllm:num_requests_running"] == 0
 
 
 def test_unknown_fields_are_accepted_and_named_in_a_warning(tiny) -> None:
@@ -292,7 +292,7 @@ def test_a_body_over_the_cap_is_413(tiny) -> None:
 def test_a_client_hang_up_aborts_every_choice_and_frees_the_kv_pool(tiny) -> None:
     # n=2: the merged stream of two engine requests; both must be aborted.
     server, _ = tiny
-    before = metrics(server)["minivllm:generation_tokens_total"]
+    before = metrics(server)["vllm:generation_tokens_total"]
     body = {"model": "tiny", "prompt": "hang up", "n": 2, "max_tokens": 200,
             "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as h, \
@@ -302,15 +302,15 @@ def test_a_client_hang_up_aborts_every_choice_and_frees_the_kv_pool(tiny) -> Non
         for _ in range(4):
             while not next(lines).startswith("data:"):
                 pass
-        assert metrics(server)["minivllm:num_requests_running"] == 2
+        assert metrics(server)["vllm:num_requests_running"] == 2
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = metrics(server)
-        if m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
             break
         time.sleep(0.1)
-    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
-    assert m["minivllm:generation_tokens_total"] - before < 400  # aborted, not run out
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:generation_tokens_total"] - before < 400  # aborted, not run out
 
 
 def test_api_key_guards_v1_but_not_health_metrics_or_docs(tiny) -> None:
@@ -386,7 +386,7 @@ def test_64_concurrent_streaming_clients_all_complete_correctly(tiny) -> None:
     assert [t for t, _ in got] == [w.outputs[0].text for w in want]
     assert [u for _, u in got] == lengths
     m = metrics(server)
-    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
 
 
 # --------------------------------------------------------------------------
@@ -512,31 +512,31 @@ def test_smollm2_disconnect_mid_stream_frees_the_kv_pool(smol) -> None:
             while not next(lines).startswith("data:"):
                 pass
         busy = metrics(server, key=None)
-        assert busy["minivllm:num_requests_running"] == 1
-        assert busy["minivllm:kv_cache_usage_perc"] > 0
+        assert busy["vllm:num_requests_running"] == 1
+        assert busy["vllm:kv_cache_usage_perc"] > 0
     # The connection is closed: the server must abort the request and free its blocks.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = metrics(server, key=None)
-        if m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
             break
         time.sleep(0.2)
-    assert m["minivllm:num_requests_running"] == 0, m
-    assert m["minivllm:kv_cache_usage_perc"] == 0, m
-    assert m["minivllm:generation_tokens_total"] < 500  # aborted, not run to the end
+    assert m["vllm:num_requests_running"] == 0, m
+    assert m["vllm:kv_cache_usage_perc"] == 0, m
+    assert m["vllm:generation_tokens_total"] < 500  # aborted, not run to the end
 
     # A non-streamed request whose client gives up (times out) is aborted too.
     body["stream"] = False
     with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=3) as h:
         h.post(f"{server.base_url}/v1/completions", json=body)
     deadline = time.monotonic() + 30
-    while (metrics(server, key=None)["minivllm:num_requests_running"] or
-           metrics(server, key=None)["minivllm:kv_cache_usage_perc"]) and \
+    while (metrics(server, key=None)["vllm:num_requests_running"] or
+           metrics(server, key=None)["vllm:kv_cache_usage_perc"]) and \
             time.monotonic() < deadline:
         time.sleep(0.2)
     m2 = metrics(server, key=None)
-    assert m2["minivllm:num_requests_running"] == 0 and m2["minivllm:kv_cache_usage_perc"] == 0
-    assert m2["minivllm:generation_tokens_total"] - m["minivllm:generation_tokens_total"] < 500
+    assert m2["vllm:num_requests_running"] == 0 and m2["vllm:kv_cache_usage_perc"] == 0
+    assert m2["vllm:generation_tokens_total"] - m["vllm:generation_tokens_total"] < 500
 
 
 def test_serve_help_documents_the_server_flags(capsys) -> None:

@@ -8,7 +8,7 @@ every POST endpoint of a server on 127.0.0.1. Every answer must be a 2xx or a
 4xx within the time bound, and a 2xx stream must carry no error event. The
 oracle afterwards is the server itself before the run: a fixed greedy prompt
 gets the same answer, nothing is running, and the KV pool is entirely free
-(``minivllm:kv_cache_usage_perc`` is 0).
+(``vllm:kv_cache_usage_perc`` is 0).
 
 Bounded for CI: each request has a timeout, and the number of examples
 follows the hypothesis profile (``CI=true``: about a minute in all).
@@ -117,7 +117,7 @@ def server(tiny_model_dir, request):
 def metrics(base_url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("minivllm:") and "{" in line and 'le="' not in line:
+        if line.startswith("vllm:") and "{" in line and 'le="' not in line:
             name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
             out[name] = out.get(name, 0.0) + value
     return out
@@ -186,8 +186,8 @@ def test_no_body_gets_a_5xx_or_a_hang_and_the_server_is_unchanged(server) -> Non
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = metrics(server.base_url)
-        if m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
             break
         time.sleep(0.2)
-    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:num_requests_waiting"] == 0
-    assert m["minivllm:kv_cache_usage_perc"] == 0, m
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0, m

@@ -96,7 +96,7 @@ def _text(events: list) -> str:
 def _metrics(base_url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("minivllm:") and "{" in line and 'le="' not in line:
+        if line.startswith("vllm:") and "{" in line and 'le="' not in line:
             name = line.split("{", 1)[0]
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -135,11 +135,11 @@ def test_a_failing_request_gets_its_own_error_and_the_others_stream_on(served, i
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = _metrics(base_url)
-        if m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
             break
         time.sleep(0.1)
-    assert m["minivllm:num_requests_running"] == 0 and m["minivllm:kv_cache_usage_perc"] == 0
-    assert m["minivllm:request_success_total"] >= 2  # counted, "error" among the reasons
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:request_success_total"] >= 2  # counted, "error" among the reasons
 
 
 async def _again(base_url: str) -> str:

@@ -294,10 +294,10 @@ def test_metrics_export_spec_decode_counters():
     logger = PrometheusStatLogger("m")
     logger(stats, IterationStats(now=0.0))
     text = logger.render().decode()
-    for line in ('minivllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
-                 'minivllm:spec_decode_num_draft_tokens_total{model_name="m"} 5.0',
-                 'minivllm:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0',
-                 'minivllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",'
+    for line in ('vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0',
+                 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 5.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 3.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
                  'position="1"} 1.0'):
         assert line in text
 

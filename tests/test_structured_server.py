@@ -232,7 +232,7 @@ def test_bad_constraints_are_400s_naming_the_field(tiny, kw, field):
                               extra_body={"structured_outputs": {"regex": "[0-9]{2}"}})
     assert re.fullmatch("[0-9]{2}", ok.choices[0].text)
     m = metrics(server, None)
-    assert m["minivllm:kv_cache_usage_perc"] == 0 and m["minivllm:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
 
 
 def test_completions_bad_regex_and_tool_choice_none(tiny):

@@ -205,8 +205,8 @@ fig.savefig(figure_path("08_serving_chunked_prefill.png"), dpi=110)
 # Everything here is also available without Python: ``minivllm serve``, then
 # ``minivllm bench serve --base-url http://127.0.0.1:8000 --sweep 0.5,1,2``.
 # The server's ``/metrics`` exposes the same quantities as Prometheus
-# histograms (``minivllm:time_to_first_token_seconds``,
-# ``minivllm:inter_token_latency_seconds``).
+# histograms (``vllm:time_to_first_token_seconds``,
+# ``vllm:inter_token_latency_seconds``).
 
 # %% [markdown]
 # What you built

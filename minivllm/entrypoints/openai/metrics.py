@@ -1,32 +1,36 @@
 """``/metrics``: the engine's state in Prometheus format, with vLLM's metric names.
 
+The names, types and label names are vLLM v1's (``vllm/v1/metrics/loggers.py``:
+the ``vllm:`` prefix, ``model_name`` and ``engine`` on every series, ``finished_reason``
+and ``position`` where vLLM has them), so vLLM's Grafana dashboard and an autoscaler that
+reads vLLM's ``/metrics`` work unchanged. minivllm has one engine core: ``engine="0"``.
 Every metric lives in a per-server ``CollectorRegistry`` (never the global
 one), so two servers in one process (tests, the tutorial) do not collide.
 :class:`PrometheusStatLogger` is an :class:`~minivllm.engine.async_llm.AsyncLLM`
 stat logger: it is called after every engine step with that step's
 :class:`~minivllm.outputs.StepStats` and request timings.
 
-=========================================  ==========  ===============================
-name                                       type        what
-=========================================  ==========  ===============================
-minivllm:num_requests_running              gauge       requests holding KV blocks
-minivllm:num_requests_waiting              gauge       requests queued for a slot
-minivllm:kv_cache_usage_perc               gauge       fraction of KV blocks in use (0-1)
-minivllm:num_preemptions_total             counter     requests preempted (recomputed)
-minivllm:prefix_cache_queries_total        counter     prompt tokens looked up
-minivllm:prefix_cache_hits_total           counter     of those, found cached
-minivllm:prompt_tokens_total               counter     prompt tokens of admitted requests
-minivllm:generation_tokens_total           counter     tokens generated
-minivllm:request_success_total             counter     finished requests, by finished_reason
-minivllm:time_to_first_token_seconds       histogram   arrival to first token
-minivllm:inter_token_latency_seconds       histogram   between consecutive tokens
-minivllm:e2e_request_latency_seconds       histogram   arrival to finish
-minivllm:iteration_tokens_total            histogram   tokens computed per engine step
-minivllm:spec_decode_num_drafts_total      counter     requests that verified drafts (per step)
-minivllm:spec_decode_num_draft_tokens_total  counter   draft tokens verified
-minivllm:spec_decode_num_accepted_tokens_total  counter  draft tokens accepted
-minivllm:spec_decode_num_accepted_tokens_per_pos_total  counter  accepted, by ``position``
-=========================================  ==========  ===============================
+==================================================  ==========  ========================================
+name                                                type        what
+==================================================  ==========  ========================================
+vllm:num_requests_running                           gauge       requests holding KV blocks
+vllm:num_requests_waiting                           gauge       requests queued for a slot
+vllm:kv_cache_usage_perc                            gauge       fraction of KV blocks in use (0-1)
+vllm:num_preemptions_total                          counter     requests preempted (recomputed)
+vllm:prefix_cache_queries_total                     counter     prompt tokens looked up
+vllm:prefix_cache_hits_total                        counter     of those, found cached
+vllm:prompt_tokens_total                            counter     prompt tokens of admitted requests
+vllm:generation_tokens_total                        counter     tokens generated
+vllm:request_success_total                          counter     finished requests, by finished_reason
+vllm:time_to_first_token_seconds                    histogram   arrival to first token
+vllm:inter_token_latency_seconds                    histogram   between consecutive tokens
+vllm:e2e_request_latency_seconds                    histogram   arrival to finish
+vllm:iteration_tokens_total                         histogram   tokens computed per engine step
+vllm:spec_decode_num_drafts_total                   counter     requests that verified drafts (per step)
+vllm:spec_decode_num_draft_tokens_total             counter     draft tokens verified
+vllm:spec_decode_num_accepted_tokens_total          counter     draft tokens accepted
+vllm:spec_decode_num_accepted_tokens_per_pos_total  counter     accepted, by ``position``
+==================================================  ==========  ========================================
 
 The ``spec_decode`` counters (vLLM's names, speculative decoding only) give
 the acceptance rate ``accepted / draft_tokens`` and the mean acceptance length
@@ -47,6 +51,9 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+#: vLLM's metric prefix and label names (vllm/v1/metrics/loggers.py).
+PREFIX = "vllm:"
+LABEL_NAMES = ("model_name", "engine")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -55,22 +62,25 @@ class PrometheusStatLogger:
 
     Args:
         model_name: the ``model_name`` label on every metric (as vLLM).
+        engine: the ``engine`` label (vLLM's engine-core index; minivllm has one).
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, engine: str = "0") -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = list(LABEL_NAMES)
+        values = (model_name, engine)
+        self._label_values = values
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"minivllm:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(f"{PREFIX}{name}", doc, labels, registry=r).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"minivllm:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(f"{PREFIX}{name}", doc, labels, registry=r).labels(*values)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"minivllm:{name}", doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
+            return Histogram(f"{PREFIX}{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(*values)
 
         self.num_running = gauge("num_requests_running", "Requests holding KV blocks.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -83,9 +93,8 @@ class PrometheusStatLogger:
                                    "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._success = Counter("minivllm:request_success", "Finished requests.",
-                                ["model_name", "finished_reason"], registry=r)
-        self._model_name = model_name
+        self._success = Counter(f"{PREFIX}request_success", "Finished requests.",
+                                [*labels, "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds",
                               "Time from arrival to the first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",
@@ -98,9 +107,9 @@ class PrometheusStatLogger:
                                          "Draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens",
                                      "Draft tokens accepted.")
-        self._spec_per_pos = Counter("minivllm:spec_decode_num_accepted_tokens_per_pos",
+        self._spec_per_pos = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, per draft position.",
-                                     ["model_name", "position"], registry=r)
+                                     [*labels, "position"], registry=r)
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens computed per engine step.", _TOKEN_BUCKETS)
 
@@ -121,13 +130,13 @@ class PrometheusStatLogger:
             self.spec_draft_tokens.inc(stats.num_draft_tokens)
             self.spec_accepted.inc(stats.num_accepted_tokens)
             for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
-                self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
+                self._spec_per_pos.labels(*self._label_values, str(pos)).inc(n)
         for t in it.time_to_first_tokens:
             self.ttft.observe(t)
         for t in it.inter_token_latencies:
             self.itl.observe(t)
         for reason, e2e in it.finished:
-            self._success.labels(self._model_name, reason).inc()
+            self._success.labels(*self._label_values, reason).inc()
             self.e2e.observe(e2e)
 
     def render(self) -> bytes:
