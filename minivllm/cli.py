@@ -88,6 +88,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "schema, regex, choice or grammar: the server's response_format, "
                         "structured_outputs and tools; docs/structured_outputs.md); a slower "
                         "one is refused with a 400 (default 10)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="the model's recommended sampling defaults and EOS ids, as vLLM: "
+                        "'auto' reads generation_config.json beside the model, 'vllm' ignores "
+                        "it, a folder reads it from there; the defaults apply where a request "
+                        "(or a sampling flag below) sets nothing, and every EOS id it names "
+                        "stops generation (default auto)")
     g.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\', or '
@@ -108,14 +114,16 @@ def _json_dict(text: str) -> dict:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g = p.add_argument_group(
+        "sampling", "a flag left out takes the model's generation config value "
+        "(--generation-config), else the default shown")
+    g.add_argument("--max-tokens", type=int, default=None, help="default 128")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float, default=None, help="default 1.0")
+    g.add_argument("--top-k", type=int, default=None, help="default 0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help="default 0.0")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -135,22 +143,29 @@ def _make_llm(args):
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout_s,
+        generation_config=args.generation_config,
     )
 
 
-def _params(args):
+#: The command line's own defaults, where neither a flag nor the model's generation
+#: config sets a value (greedy, unlike SamplingParams(): a command reads as an answer).
+_CLI_SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+
+
+def _params(args, model_defaults: dict):
     from minivllm import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed,
-        repetition_penalty=args.repetition_penalty, stop=args.stop,
-    )
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty}
+    values = {**_CLI_SAMPLING_DEFAULTS, **model_defaults,
+              **{k: v for k, v in given.items() if v is not None}}
+    return SamplingParams(**values, seed=args.sample_seed, stop=args.stop)
 
 
 def cmd_generate(args) -> int:
     llm = _make_llm(args)
-    params = _params(args)
+    params = _params(args, llm.llm_engine.generation.sampling)
     start = time.perf_counter()
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in args.prompt]
@@ -173,7 +188,7 @@ def cmd_chat(args) -> int:
     llm = _make_llm(args)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
-    params = _params(args)
+    params = _params(args, engine.generation.sampling)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

@@ -123,6 +123,11 @@ class LLM:
         """The model's Hugging Face tokenizer."""
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params a prompt gets when none are given: ``SamplingParams()`` with the
+        model's recommended values from its generation config (``generation_config``)."""
+        return self.llm_engine.generation.default_sampling_params()
+
     # -- generate ---------------------------------------------------------------
 
     def _to_token_ids(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
@@ -173,7 +178,7 @@ class LLM:
                              f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -22,6 +22,7 @@ from minivllm.config import _require, check_block_size, check_chunked_prefill
 from minivllm.dtype import DTYPES
 from minivllm.kv_quant import check_kv_cache_dtype
 from minivllm.lora.manager import LoRAConfig
+from minivllm.model.generation_config import check_generation_config
 from minivllm.model.quantization import check_quantization
 from minivllm.pp_stages import parse_partition
 from minivllm.sampling_params import SEED_MAX, SEED_MIN
@@ -185,6 +186,10 @@ class EngineConfig:
     (``"auto"``) or quantized, ``"int8"`` or ``"fp8"`` (= ``"fp8_e4m3"``), with
     a float32 scale per token and KV head: 3.8x the tokens of a float32 cache
     at head_dim 64, 1.9x of a bf16 one (docs/kv_cache.md).
+    ``generation_config`` (vLLM's): ``"auto"`` takes the model's
+    ``generation_config.json`` (its recommended sampling defaults and every EOS id),
+    ``"vllm"`` ignores it, a folder reads it from there
+    (:mod:`minivllm.model.generation_config`).
     ``structured_outputs_compile_timeout_s`` caps the compilation of one
     request's constraint (a JSON schema, regex, choice or grammar; None: no
     cap): a constraint that takes longer is refused with a ``ValueError``.
@@ -224,6 +229,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     structured_outputs_compile_timeout_s: float | None = 10.0
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one rule each); read the environment."""
@@ -288,6 +294,7 @@ class EngineConfig:
                  f"at most this machine's memory ({memory} bytes)")
         check_chunked_prefill(self.enable_chunked_prefill, self.max_num_batched_tokens,
                               self.max_model_len)
+        check_generation_config(self.generation_config)
         self.lora_config()  # max_loras, max_lora_rank, max_cpu_loras: ValueError names one
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("enable_lora does not run with speculative_config: the draft "

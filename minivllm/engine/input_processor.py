@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from minivllm.engine.output_processor import IncrementalDetokenizer, RequestState
+from minivllm.model.generation_config import GenerationDefaults
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 
@@ -39,15 +40,19 @@ class InputProcessor:
         eos_token_id: the model's end-of-sequence id (None if it has none).
         sampler: the engine's :class:`~minivllm.engine.sampling.StepSampler`
             (it makes a seeded request's own generator).
+        generation: the model's generation config (its other EOS ids stop every
+            request too); None: none.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 eos_token_id: int | None, sampler: Any) -> None:
+                 eos_token_id: int | None, sampler: Any,
+                 generation: GenerationDefaults | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.sampler = sampler
+        self.generation = GenerationDefaults() if generation is None else generation
 
     def validate_prompt(self, prompt_token_ids: list[int],
                         sampling_params: SamplingParams) -> None:
@@ -83,6 +88,7 @@ class InputProcessor:
         """
         self.validate_prompt(prompt_token_ids, sampling_params)
         sampling_params.verify()
+        sampling_params = self.generation.with_eos(sampling_params, self.eos_token_id)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id,

@@ -55,6 +55,8 @@ from minivllm.engine.sampling import StepSampler
 from minivllm.engine.sequence_groups import SequenceGroups
 from minivllm.engine.structured import StructuredOutputs
 from minivllm.metadata import SchedulerOutput, StepInput
+from minivllm.model.generation_config import load_generation_defaults
+from minivllm.model.loader import resolve_model_path
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.profiler import op_range
 from minivllm.request import Request, RequestStatus
@@ -116,8 +118,11 @@ class LLMEngine:
         self.speculator = None if spec is None else Speculator(
             spec, make_proposer(spec, self.components, self.executor), max_model_len)
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        # The model's recommended sampling defaults and its other EOS ids (--generation-config).
+        self.generation = load_generation_defaults(config.generation_config,
+                                                   resolve_model_path(config.model))
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
-                                              eos_token_id, self.sampler)
+                                              eos_token_id, self.sampler, self.generation)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Constrained requests' grammars: compiled at add, masks before sampling.
         self.structured = StructuredOutputs(self.components.structured_output, self.tokenizer,
@@ -135,10 +140,10 @@ class LLMEngine:
         self._forward_s = 0.0  # this step's time in the executor (StepStats.forward_seconds)
         logger.info(
             "minivllm: %d KV blocks of %d tokens: at most %d tokens cached at once "
-            "(kv_cache_dtype %s, %d bytes a token; max_model_len %d); backends %s",
+            "(kv_cache_dtype %s, %d bytes a token; max_model_len %d); backends %s; %s",
             num_blocks, config.block_size, num_blocks * config.block_size,
             config.kv_cache_dtype, block_bytes // config.block_size, max_model_len,
-            self.components.describe(),
+            self.components.describe(), self.generation.describe(),
         )
 
     @property

@@ -11,7 +11,7 @@ A FastAPI app over one :class:`~minivllm.engine.async_llm.AsyncLLM`:
 ``GET  /health``           200 while the engine loop is alive, else 503
 ``POST /tokenize``         text or messages -> token ids
 ``POST /detokenize``       token ids -> text
-``GET  /metrics``          Prometheus metrics (``minivllm:...``)
+``GET  /metrics``          Prometheus metrics (vLLM's ``vllm:...`` names)
 =========================  ====================================================
 
 Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``:
@@ -326,6 +326,11 @@ def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: in
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths,
                                        lora_modules, allow_lora_updates), log_level)
+    generation = llm.engine.generation
+    if generation.sampling:  # said as vLLM says it: requests that set nothing get these
+        print(f"minivllm serve: default sampling params from the model's generation config "
+              f"({generation.source}): {generation.sampling}; --generation-config vllm "
+              f"ignores them", flush=True)
     print(f"minivllm serve: {model_name!r} on {url} (OpenAI API at {url}/v1)", flush=True)
     server.run(sockets=[sock])
 

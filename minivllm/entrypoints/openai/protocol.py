@@ -22,6 +22,7 @@ checked before anything is tokenized. Ranges are checked once, by
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -182,8 +183,8 @@ class _SamplingFields(_Request):
     user: str | None = None
     # vLLM's extras (extra_body)
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -195,12 +196,16 @@ class _SamplingFields(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
-    def engine_params(self) -> SamplingParams | BeamSearchParams:
+    def engine_params(self, defaults: Mapping[str, Any] | None = None,
+                      ) -> SamplingParams | BeamSearchParams:
         """The one engine request behind each prompt: ``n`` completions sampled in
-        parallel (sharing the prompt's blocks), or a beam search of width ``n``."""
+        parallel (sharing the prompt's blocks), or a beam search of width ``n``.
+
+        ``defaults``: the model's generation-config values (SamplingParams field ->
+        value) for the fields the request leaves out, as vLLM's server applies them."""
         if self.use_beam_search:
             return self.to_beam_search_params()
-        return self.to_sampling_params()
+        return self.to_sampling_params(defaults)
 
     def check_limits(self, limits: ServingLimits, num_prompts: int = 1) -> None:
         """400 if the request is bigger than the server allows (before tokenizing)."""
@@ -234,12 +239,24 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of the prompt's ``n`` completions.
 
         With a seed, completion ``i`` draws from ``seed + i`` (the engine's
         rule, as vLLM's): reproducible, and the ``n`` completions still differ.
+        A field the request leaves out takes the model's default (``defaults``),
+        else SamplingParams'; the model's ``max_tokens`` caps the request's.
         """
+        d = dict(defaults or {})
+
+        def pick(name: str, fallback: float) -> float:
+            value = getattr(self, name)
+            return d.get(name, fallback) if value is None else value
+
+        if "max_tokens" in d:
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens,
+                                                                         d["max_tokens"])
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true",
                            "stream_options")
@@ -248,14 +265,14 @@ class _SamplingFields(_Request):
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=self.min_p,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 seed=self.seed,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
@@ -300,9 +317,9 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def to_beam_search_params(self) -> BeamSearchParams:
         self._check_unsupported()
@@ -364,9 +381,9 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
         return max_tokens, (self.top_logprobs or 0) if self.logprobs else None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
-        return self._sampling_params(*self._max_tokens_logprobs())
+        return self._sampling_params(*self._max_tokens_logprobs(), defaults)
 
     def to_beam_search_params(self) -> BeamSearchParams:
         self._check_unsupported()

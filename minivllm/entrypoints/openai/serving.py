@@ -91,6 +91,8 @@ class OpenAIServing:
         self.lora_modules: dict = dict(lora_modules or {})
         self.limits = limits or ServingLimits()
         self.tokenizer = llm.tokenizer
+        #: The model's generation-config values for the fields a request leaves out.
+        self.default_sampling = dict(llm.engine.generation.sampling)
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="minivllm-tokenizer")
 
@@ -214,7 +216,7 @@ class OpenAIServing:
 
     async def _create(self, req, prompts: list[list[int]], kind: Kind, lora=None,
                       constraint: Constraint | None = None):
-        params = req.engine_params()
+        params = req.engine_params(self.default_sampling)
         if constraint is not None:
             if isinstance(params, BeamSearchParams):
                 raise APIError(400, f"{constraint.field} does not apply with use_beam_search "
