@@ -242,6 +242,7 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     try:
         from minivllm.engine.async_llm import AsyncLLM
+        from minivllm.entrypoints.chat_utils import ChatTemplates, load_chat_template
         from minivllm.entrypoints.openai.api_server import run_server
     except ImportError as e:
         raise SystemExit(f"minivllm serve needs the serve extra: pip install 'minivllm[serve]' "
@@ -257,6 +258,8 @@ def cmd_serve(args) -> int:
             max_prompt_chars=args.max_prompt_chars, max_stop_strings=args.max_stop_strings,
             max_stop_string_chars=args.max_stop_string_chars,
             max_detokenize_tokens=args.max_detokenize_tokens, max_n=args.max_n)
+        templates = ChatTemplates(load_chat_template(args.chat_template),
+                                  args.trust_request_chat_template)
     except ValueError as e:
         raise SystemExit(f"minivllm serve: {e}") from None
     if args.lora_modules and not args.enable_lora:
@@ -271,7 +274,7 @@ def cmd_serve(args) -> int:
     run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
                api_key=api_key or None, log_level=args.uvicorn_log_level, limits=limits,
                api_key_all_paths=args.api_key_all_paths, lora_modules=adapters,
-               allow_lora_updates=args.allow_runtime_lora_updating)
+               allow_lora_updates=args.allow_runtime_lora_updating, chat_templates=templates)
     return 0
 
 
@@ -357,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs; more get HTTP 503 "
                         "(default %(default)s)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the Jinja chat template for every chat request (a file, or the "
+                        "template itself) instead of the tokenizer's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a request's own chat_template (a template is code the server "
+                        "runs; without this flag such a request is a 400, as in vLLM)")
     caps = ServingLimits()
     g = p.add_argument_group("request size caps (HTTP 413 or 400 beyond them)")
     g.add_argument("--max-request-body-bytes", type=int, default=caps.max_request_body_bytes,

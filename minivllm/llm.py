@@ -297,19 +297,40 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
         lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        """Answer one conversation or a list of them through the chat template.
+
+        vLLM's parameters in vLLM's order (:mod:`minivllm.entrypoints.chat_utils`):
+        ``chat_template`` (a Jinja template, or a file holding one) instead of the
+        tokenizer's; ``continue_final_message`` leaves the last message open for the
+        model to continue (not with ``add_generation_prompt``); ``tools`` for the
+        template to describe; ``chat_template_kwargs``: more template variables.
+        Messages may carry ``tool_calls`` and ``tool`` messages (a multi-turn agent
+        loop). ``chat_template_content_format`` must be ``"auto"`` or ``"string"``:
+        minivllm's messages hold text.
+        """
+        from minivllm.entrypoints.chat_utils import ChatOptions, load_chat_template, render_chat
+
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format must be 'auto' or 'string' "
+                             f"(text messages), got {chat_template_content_format!r}")
+        options = ChatOptions(load_chat_template(chat_template), add_generation_prompt,
+                              continue_final_message, tools, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+            text = render_chat(tok, conv, options)
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,

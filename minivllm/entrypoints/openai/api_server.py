@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.chat_utils import ChatTemplates
 from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
 from minivllm.entrypoints.openai.protocol import (
@@ -188,7 +189,8 @@ class BodyLimitMiddleware:
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
               limits: ServingLimits | None = None,
               api_key_all_paths: bool = False, lora_modules: dict | None = None,
-              allow_lora_updates: bool = False) -> FastAPI:
+              allow_lora_updates: bool = False,
+              chat_templates: ChatTemplates | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name``; metrics are registered on ``llm``.
 
     With ``api_key``, every path needs it except :data:`OPEN_PATHS`
@@ -198,7 +200,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     limits = limits or ServingLimits()
     metrics = PrometheusStatLogger(model_name)
     llm.stat_loggers.append(metrics)
-    serving = OpenAIServing(llm, model_name, limits, lora_modules)
+    serving = OpenAIServing(llm, model_name, limits, lora_modules, chat_templates)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -281,7 +283,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            tokens = await serving.chat_prompt(req.messages, req.add_generation_prompt)
+            tokens = await serving.chat_prompt(req)
         else:
             tokens = await serving.encode(req.prompt, req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
@@ -320,12 +322,14 @@ def _uvicorn_server(app: FastAPI, log_level: str):
 def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, log_level: str = "warning",
                limits: ServingLimits | None = None, api_key_all_paths: bool = False,
-               lora_modules: dict | None = None, allow_lora_updates: bool = False) -> None:
+               lora_modules: dict | None = None, allow_lora_updates: bool = False,
+               chat_templates: ChatTemplates | None = None) -> None:
     """Serve until SIGINT/SIGTERM (blocking). Prints the URL once it listens."""
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths,
-                                       lora_modules, allow_lora_updates), log_level)
+                                       lora_modules, allow_lora_updates, chat_templates),
+                             log_level)
     generation = llm.engine.generation
     if generation.sampling:  # said as vLLM says it: requests that set nothing get these
         print(f"minivllm serve: default sampling params from the model's generation config "

@@ -327,11 +327,23 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One message: ``role`` and ``content`` (a string, or a list of text parts)."""
+    """One message: ``role`` and ``content`` (a string, or a list of text parts); an
+    assistant's earlier ``tool_calls``, a tool result's ``tool_call_id`` (and ``name``)."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as :func:`minivllm.entrypoints.chat_utils.render_chat` takes it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         """The content as one string (text parts joined; other parts refused)."""
@@ -359,6 +371,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     # Structured outputs and tool calls (minivllm/entrypoints/openai/structured.py).
     response_format: ResponseFormat | None = None
@@ -398,6 +413,10 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -45,6 +45,7 @@ from minivllm.engine.async_llm import (
     RequestStream,
     StreamDelta,
 )
+from minivllm.entrypoints.chat_utils import ChatOptions, ChatTemplates, render_chat
 from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.entrypoints.openai.protocol import (
     APIError,
@@ -75,6 +76,7 @@ class OpenAIServing:
         llm: the async engine.
         model_name: the name clients must send as ``model`` (or leave out).
         limits: the size caps checked before anything is tokenized.
+        chat_templates: ``--chat-template`` and ``--trust-request-chat-template``.
 
     Tokenizing and chat templating run on one worker thread (as vLLM's
     tokenizer executor), never on the event loop: a long prompt must not stall
@@ -83,8 +85,10 @@ class OpenAIServing:
 
     def __init__(self, llm: AsyncLLM, model_name: str,
                  limits: ServingLimits | None = None,
-                 lora_modules: dict | None = None) -> None:
+                 lora_modules: dict | None = None,
+                 chat_templates: ChatTemplates | None = None) -> None:
         self.llm = llm
+        self.chat_templates = chat_templates or ChatTemplates()
         self.model_name = model_name
         #: LoRA adapters by served name (``--lora-modules``, ``/v1/load_lora_adapter``):
         #: a request's ``model`` picks one.
@@ -154,24 +158,33 @@ class OpenAIServing:
             raise APIError(400, f"{field_name} must be in [0, {vocab}), got {bad[:5]}",
                            field_name)
 
-    async def chat_prompt(self, messages, add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation through the model's chat template (which may
-        describe ``tools`` to the model; most templates without tool support ignore them)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions",
-                           "messages")
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
+    async def chat_prompt(self, req) -> list[int]:
+        """Token ids of ``req.messages`` through the chat template, with the request's
+        template options (a chat completion or a ``/tokenize`` request); 400 naming the
+        field for options that cannot be honoured."""
+        if req.chat_template is not None and not self.chat_templates.trust_request_template:
+            raise APIError(400, "chat_template from a request needs the server's "
+                                "--trust-request-chat-template (a template is code the "
+                                "server runs); leave it out", "chat_template")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] \
+            if getattr(req, "tool_choice", None) != "none" else None
+        options = ChatOptions(req.chat_template or self.chat_templates.template,
+                              req.add_generation_prompt, req.continue_final_message,
+                              tools, req.chat_template_kwargs)
+        conv = [m.for_template() for m in req.messages]
         check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
         for m in conv:
             check_text(m["content"], "messages")
-        return await self.off_loop(self._apply_chat_template, conv, add_generation_prompt, tools)
+        return await self.off_loop(self._apply_chat_template, conv, options)
 
-    def _apply_chat_template(self, conv: list[dict], add_generation_prompt: bool,
-                             tools: list[dict] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"tools": tools} if tools else {}))
+    def _apply_chat_template(self, conv: list[dict], options: ChatOptions) -> list[int]:
+        try:
+            text = render_chat(self.tokenizer, conv, options)
+        except ValueError as e:
+            msg = str(e)
+            field = next((f for f in ("chat_template_kwargs", "continue_final_message",
+                                      "chat_template") if msg.startswith(f)), "messages")
+            raise APIError(400, msg, field) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -204,9 +217,7 @@ class OpenAIServing:
         lora = self.check_model(req.model)
         req.check_limits(self.limits)
         constraint = request_constraint(req)  # 400s first: nothing is tokenized for them
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] \
-            if req.tool_choice != "none" else None
-        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, tools)
+        prompt = await self.chat_prompt(req)
         kind = Kind("chatcmpl", "chat.completion", chat=True, model=req.model or self.model_name,
                     top_n=req.top_logprobs or 0,
                     tools=constraint.tools if constraint is not None else None)
