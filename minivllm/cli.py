@@ -266,7 +266,8 @@ def cmd_serve(args) -> int:
         raise SystemExit("minivllm serve: --lora-modules needs --enable-lora")
     engine = _make_llm(args).llm_engine
     try:
-        adapters = load_lora_modules(engine, args.lora_modules or [])
+        adapters = load_lora_modules(engine, args.lora_modules or [],
+                                     args.served_model_name or args.model)
     except ValueError as e:
         engine.shutdown()
         raise SystemExit(f"minivllm serve: --lora-modules: {e}") from None
@@ -278,15 +279,41 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def load_lora_modules(engine, specs: list[str]) -> dict:
-    """``name=path`` specs -> ``{name: LoRARequest}``, each adapter loaded (ids 1, 2, ...)."""
+def parse_lora_module(spec: str, served_name: str) -> tuple[str, str]:
+    """One ``--lora-modules`` entry, in either of vLLM's forms: ``name=path``, or JSON
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` (the base model's name, if
+    given, must be the served one: minivllm serves one base model). -> (name, path)."""
+    if spec.lstrip().startswith("{"):
+        try:
+            entry = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON: {e} in {spec!r}") from None
+        unknown = sorted(set(entry) - {"name", "path", "base_model_name"}) \
+            if isinstance(entry, dict) else None
+        if unknown is None or unknown:
+            raise ValueError(f"a JSON entry has the keys name, path and base_model_name, "
+                             f"got {spec!r}")
+        name, path = entry.get("name"), entry.get("path")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise ValueError(f"a JSON entry needs a non-empty name and path, got {spec!r}")
+        base = entry.get("base_model_name")
+        if base is not None and base != served_name:
+            raise ValueError(f"base_model_name must be the served model {served_name!r}, "
+                             f"got {base!r}")
+        return name, path
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"expected name=path or a JSON object, got {spec!r}")
+    return name, path
+
+
+def load_lora_modules(engine, specs: list[str], served_name: str = "") -> dict:
+    """``--lora-modules`` entries -> ``{name: LoRARequest}``, each adapter loaded (ids 1, 2, ...)."""
     from minivllm.lora.request import LoRARequest
 
     adapters = {}
     for i, spec in enumerate(specs, start=1):
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"expected name=path, got {spec!r}")
+        name, path = parse_lora_module(spec, served_name)
         if name in adapters:
             raise ValueError(f"the name {name!r} is given twice")
         adapters[name] = LoRARequest(name, i, path)
@@ -383,9 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most completions one request may ask for: n times its prompts, "
                         "and the widest use_beam_search (default %(default)s)")
     g = p.add_argument_group("LoRA adapters (with --enable-lora)")
-    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
                    help="adapters to serve, each chosen by a request's model field and "
-                        "listed in /v1/models")
+                        "listed in /v1/models: name=path, or vLLM's JSON form "
+                        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'')
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")

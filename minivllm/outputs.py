@@ -20,6 +20,7 @@ top-k/top-p filtering. Each generated token gets a dict holding the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Per generated token: token id -> its :class:`Logprob`.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -99,6 +100,8 @@ class RequestOutput:
         finished: True once the request has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: always None here (minivllm does not compute them).
+        lora_request: the :class:`~minivllm.lora.request.LoRARequest` it ran under
+            (None: the base model), as vLLM's ``RequestOutput.lora_request``.
         error: the exception that ended this request, when a failure that
             belongs to it alone (preparing its inputs, sampling it,
             detokenizing it, matching its stop strings) aborted it; then
@@ -114,6 +117,7 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
     error: BaseException | None = field(default=None, repr=False)
+    lora_request: Any = None
 
     def __repr__(self) -> str:
         err = "" if self.error is None else f", error={self.error!r}"

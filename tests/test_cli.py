@@ -48,3 +48,18 @@ def test_bad_sampling_value_is_a_clear_error(tiny_model_dir) -> None:
     model = str(tiny_model_dir("llama"))
     with pytest.raises(ValueError, match="top_p"):
         main(["generate", "x", "--model", model, "--device", "cpu", "--top-p", "2"])
+
+
+def test_lora_modules_take_both_of_vllms_forms() -> None:
+    from minivllm.cli import parse_lora_module
+
+    assert parse_lora_module("sql=/a/sql", "base") == ("sql", "/a/sql")
+    assert parse_lora_module('{"name": "sql", "path": "/a/sql"}', "base") == ("sql", "/a/sql")
+    assert parse_lora_module('{"name": "sql", "path": "/a/sql", "base_model_name": "base"}',
+                             "base") == ("sql", "/a/sql")
+    for bad, why in (("sql", "name=path"), ('{"name": "sql"}', "non-empty name and path"),
+                     ('{"name": "s", "path": "p", "rank": 4}', "keys name, path"),
+                     ('{"name": "s", "path": "p", "base_model_name": "other"}', "served model"),
+                     ("{oops", "not JSON")):
+        with pytest.raises(ValueError, match=why):
+            parse_lora_module(bad, "base")

@@ -49,6 +49,7 @@ def run_mixed(llm, adapters, prompts, names) -> list[list[int]]:
                         use_tqdm=False, lora_request=loras)
     engine = llm.llm_engine
     assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
+    assert [o.lora_request for o in outs] == loras  # vLLM's RequestOutput.lora_request
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

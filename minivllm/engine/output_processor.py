@@ -295,6 +295,7 @@ class OutputProcessor:
             finished=True,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=error,
+            lora_request=req.lora_request,
         )
 
     def _logprob_dict(self, req: Request, ids: list[int], vals: list[float],
@@ -338,4 +339,5 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            lora_request=req.lora_request,
         )

@@ -420,7 +420,8 @@ class SequenceGroups:
             merged.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, completions,
                                         finished=finished,
                                         num_cached_tokens=first.num_cached_tokens,
-                                        error=group.error if finished else None))
+                                        error=group.error if finished else None,
+                                        lora_request=first.lora_request))
             if finished:
                 self.forget(rid)
         return merged
