@@ -7,7 +7,11 @@ parameter by parameter: names, order, kind (positional or keyword-only) and
 defaults. A parameter added to a component's API must be added to the handout
 too, keyword-only with a default (as vLLM adds ``num_lookahead_tokens``), and
 the engine passes it only when it is used, so a package written from an older
-handout keeps working: the last two tests run such packages inside the engine.
+handout keeps working.
+
+The last tests run packages written from the handouts alone (``independent.py``:
+no subclass of the ref, no call into it) through the grader, for full marks, and
+inside the engine, to this round's signatures and to the last round's.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import inspect
 import re
 from pathlib import Path
 
+import independent
 import pytest
 
-from minivllm.course.manifest import TASKS, Task
+from minivllm.course import grade as grading
+from minivllm.course.manifest import TASKS, Task, get_task
 from minivllm.course.student import handout_name
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "course"
@@ -114,43 +120,48 @@ def _generate(llm, n: int = 3) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_a_kv_cache_manager_from_an_older_handout_serves_the_engine(tiny_model_dir, tmp_path,
-                                                                    monkeypatch) -> None:
-    """``allocate_slots`` written without ``num_lookahead_tokens`` (the last round's
-    handout): the engine without a draft model never passes it."""
-    pkg = tmp_path / "older_kv_manager"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "kv_cache_manager.py").write_text(
-        "from minivllm.ref import kv_cache_manager as _ref\n\n\n"
-        "class KVCacheManager(_ref.KVCacheManager):\n"
-        "    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):\n"
-        "        return super().allocate_slots(request, num_new_tokens, new_computed_blocks)\n")
+@pytest.fixture
+def ref_only(backend_spec):
+    if backend_spec != "ref":
+        pytest.skip("grades the course kit, not the backend: runs once, under --backend=ref")
+
+
+@pytest.mark.parametrize("name", ["kv_cache_manager", "scheduler"])
+def test_a_package_written_from_the_handout_alone_gets_full_marks(name, tmp_path, ref_only):
+    """``independent.py``'s manager and scheduler, written from the handouts' contract and
+    unlike the ref (no subclass, no call into it), keep full marks: the grader asks for
+    the contract, not for the ref's internals."""
+    package = independent.build(name, tmp_path, f"handout_{name}")
+    task = get_task(name)
+    report, _ = grading.run_tests(package, [task], pythonpath=[tmp_path])
+    [result] = grading.score([task], report)
+    assert result.score == result.points, (
+        f"{name} written from the handout scored {result.score}/{result.points}: a test asks "
+        f"for more than the contract; first failures: {result.failures[:3]}")
+
+
+@pytest.mark.parametrize("serves, older", [
+    ("kv_cache_manager", True), ("scheduler", True), ("both", False), ("both", True)],
+    ids=["older kv_cache_manager", "older scheduler", "both", "both older"])
+def test_packages_written_from_the_handouts_serve_the_engine(serves, older, tiny_model_dir,
+                                                             tmp_path, monkeypatch) -> None:
+    """The same packages inside the engine, with a pool small enough to preempt, give the
+    ref's tokens. ``older``: written to the last round's handouts (``allocate_slots``
+    without ``num_lookahead_tokens``, ``schedule(self)`` without ``in_flight``), which an
+    engine without a draft model or a pipeline never passes."""
+    # A name per case: a package imported once stays in sys.modules for the session.
+    package = independent.build(serves, tmp_path, f"handout_{serves}_{older}".lower(), older=older)
     monkeypatch.syspath_prepend(str(tmp_path))
     from minivllm import LLM
 
+    components = ("kv_cache_manager", "scheduler") if serves == "both" else (serves,)
     path = str(tiny_model_dir("llama"))
     kw = dict(dtype="float32", device="cpu", max_model_len=64, block_size=4,
               num_gpu_blocks_override=12)  # small: allocation and preemption both happen
     expect = _generate(LLM(path, backend="ref", **kw))
-    assert _generate(LLM(path, backend={"kv_cache_manager": "older_kv_manager"}, **kw)) == expect
-
-
-def test_a_scheduler_from_an_older_handout_serves_the_engine(tiny_model_dir, tmp_path,
-                                                             monkeypatch) -> None:
-    """``schedule(self)`` without ``in_flight``: an engine without a pipeline never passes it."""
-    pkg = tmp_path / "older_scheduler"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "scheduler.py").write_text(
-        "from minivllm.ref import scheduler as _ref\n\n\n"
-        "class Scheduler(_ref.Scheduler):\n"
-        "    def schedule(self):\n"
-        "        return super().schedule()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from minivllm import LLM
-
-    path = str(tiny_model_dir("llama"))
-    kw = dict(dtype="float32", device="cpu", max_model_len=64, block_size=4)
-    expect = _generate(LLM(path, backend="ref", **kw))
-    assert _generate(LLM(path, backend={"scheduler": "older_scheduler"}, **kw)) == expect
+    llm = LLM(path, backend=dict.fromkeys(components, package), **kw)
+    scheduler = llm.llm_engine.scheduler
+    served = {"scheduler": type(scheduler), "kv_cache_manager": type(scheduler.kv_cache_manager)}
+    for name in components:
+        assert served[name].__module__ == f"{package}.{name}", f"{name} is not the package's"
+    assert _generate(llm) == expect
