@@ -20,6 +20,7 @@ import ast
 import importlib
 import inspect
 import re
+import textwrap
 from pathlib import Path
 
 import independent
@@ -165,3 +166,69 @@ def test_packages_written_from_the_handouts_serve_the_engine(serves, older, tiny
     for name in components:
         assert served[name].__module__ == f"{package}.{name}", f"{name} is not the package's"
     assert _generate(llm) == expect
+
+
+# ------------------------------------------------------------------ what the engine calls
+
+ROOT = DOCS.parents[1]
+
+
+def _contract_section(task_name: str) -> str:
+    page = (DOCS / handout_name(get_task(task_name))).read_text()
+    section = re.search(r"## What the \w+ calls: the contract\n(.*?)\n## ", page, re.S)
+    assert section, f"{handout_name(get_task(task_name))} has no 'What the ... calls' section"
+    return section.group(1)
+
+
+def _attributes_read_on(name: str, files: list[Path]) -> set[str]:
+    """Every ``<...>.<name>.X`` or ``<name>.X`` in ``files`` (parsed): what the code calls."""
+    found = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                base = node.value
+                base_name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                if base_name == name and not node.attr[0].isupper():  # not the class itself
+                    found.add(node.attr)
+    return found
+
+
+def _unnamed(names: set[str], section: str) -> list[str]:
+    return sorted(n for n in names if not re.search(rf"\b{n}\b", section))
+
+
+def test_the_scheduler_handout_names_everything_the_engine_calls() -> None:
+    engine = sorted((ROOT / "minivllm" / "engine").glob("*.py")) + [ROOT / "minivllm" / "llm.py"]
+    called = _attributes_read_on("scheduler", engine)
+    assert {"schedule", "update_from_output", "add_request"} <= called  # the scan works
+    missing = _unnamed(called, _contract_section("scheduler"))
+    assert not missing, f"the engine calls scheduler.{missing}; 05_scheduler.md's contract " \
+                        "does not say so"
+
+
+def test_the_kv_cache_manager_handout_names_everything_the_scheduler_calls() -> None:
+    scheduler = [ROOT / "minivllm" / "ref" / "scheduler.py", ROOT / "minivllm" / "scheduler_groups.py"]
+    called = _attributes_read_on("kv_cache_manager", scheduler)
+    assert {"allocate_slots", "free"} <= called
+    missing = _unnamed(called, _contract_section("kv_cache_manager"))
+    assert not missing, f"the scheduler calls kv_cache_manager.{missing}; " \
+                        "04_kv_cache_manager.md's contract does not say so"
+
+
+def test_the_scheduler_handout_builds_the_output_with_every_field() -> None:
+    """The handout's ``SchedulerOutput(...)`` call takes exactly the fields the (frozen)
+    dataclass's constructor takes: a field added to the output is added to the handout."""
+    import dataclasses
+
+    from minivllm.metadata import SchedulerOutput
+
+    block = re.search(r"```python\n(.*?SchedulerOutput\(.*?)```", _contract_section("scheduler"),
+                      re.S)
+    assert block, "05_scheduler.md's contract must show how a SchedulerOutput is built"
+    call = next(n for n in ast.walk(ast.parse(textwrap.dedent(block.group(1))))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "SchedulerOutput")
+    shown = [k.arg for k in call.keywords]
+    fields = [f.name for f in dataclasses.fields(SchedulerOutput) if f.init]
+    assert shown == fields, f"the handout builds SchedulerOutput({shown}); it takes {fields}"
+    assert SchedulerOutput.__dataclass_params__.frozen, \
+        "SchedulerOutput is no longer frozen: the handout's contract says it is"
