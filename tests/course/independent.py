@@ -212,10 +212,30 @@ Scheduler._preempt = _preempt
 Scheduler.update_from_output = _update_from_output
 '''
 
+#: The previous handout's way to return the step: fill in an empty ``SchedulerOutput``
+#: (frozen since; the grader names the line instead of failing every test with a traceback).
+FILLED_IN_OUTPUT = """
 
-def build(component: str, dest: Path, package: str, older: bool = False) -> str:
+_decide = _schedule
+
+
+def _schedule(self, *, in_flight=frozenset()):
+    decided = _decide(self, in_flight=in_flight)
+    output = _Output()
+    for request in decided.scheduled_requests:
+        output.scheduled_requests.append(request)
+        output.num_scheduled_tokens[request.request_id] = \\
+            decided.num_scheduled_tokens[request.request_id]
+    output.total_num_scheduled_tokens = decided.total_num_scheduled_tokens
+    return output
+"""
+
+
+def build(component: str, dest: Path, package: str, older: bool = False,
+          filled_in: bool = False) -> str:
     """Write package ``package`` under ``dest`` serving ``component`` ("scheduler" or
-    "kv_cache_manager", or "both") from the code above; return its import name."""
+    "kv_cache_manager", or "both") from the code above; return its import name.
+    ``filled_in``: the scheduler returns its output the previous handout's way."""
     pkg = dest / package
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -229,5 +249,7 @@ def build(component: str, dest: Path, package: str, older: bool = False) -> str:
         skeleton = (kit / "scheduler.py").read_text()
         schedule = "lambda self: _schedule(self)" if older else "_schedule"
         methods = SCHEDULER_METHODS.replace("SCHEDULE", schedule)
+        if filled_in:
+            methods = methods.replace("\n\nScheduler.schedule", FILLED_IN_OUTPUT + "\n\nScheduler.schedule")
         (pkg / "scheduler.py").write_text(skeleton + "\n\n" + textwrap.dedent(methods))
     return package

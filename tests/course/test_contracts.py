@@ -141,6 +141,49 @@ def test_a_package_written_from_the_handout_alone_gets_full_marks(name, tmp_path
         f"for more than the contract; first failures: {result.failures[:3]}")
 
 
+def test_a_scheduler_that_fills_in_its_output_is_told_why_at_grade_time(tmp_path, ref_only):
+    """The previous handout's scheduler made an empty ``SchedulerOutput`` and filled it in;
+    it is frozen now. It cannot score (it raises), but the grader says why, with the line,
+    on every test of the task, instead of a traceback per test."""
+    package = independent.build("scheduler", tmp_path, "filled_in_output", filled_in=True)
+    task = get_task("scheduler")
+    report, _ = grading.run_tests(package, [task], pythonpath=[tmp_path])
+    [result] = grading.score([task], report)
+    assert result.score == 0 and result.failures
+    for failure in result.failures:
+        message = failure["message"]
+        assert "frozen" in message and "05_scheduler.md" in message, message
+        assert "scheduler.py:" in message and "output.scheduled_requests" in message, message
+
+
+@pytest.mark.parametrize("code, writes", [
+    ("so = SchedulerOutput()\n    so.scheduled_requests.append(r)", ["so.scheduled_requests"]),
+    ("so = SchedulerOutput()\n    so.num_scheduled_tokens[r] = 1", ["so.num_scheduled_tokens"]),
+    ("so = Out(finished_req_ids=f)\n    so.total_num_scheduled_tokens += 1",
+     ["so.total_num_scheduled_tokens"]),
+    ("so = metadata.SchedulerOutput()\n    so.new_block_ids.setdefault(r, []).append(1)",
+     ["so.new_block_ids"]),
+    ("so = SchedulerOutput(new_req_ids=ids)\n    ids.append(1)\n    n = so.new_req_ids", []),
+    ("so = SchedulerOutput()\n    other.scheduled_requests.append(r)", []),
+], ids=["append", "item", "augmented", "nested", "reads only", "another object"])
+def test_the_contract_check_finds_only_writes_into_an_output(code, writes):
+    from minivllm.course.contracts import filled_in_scheduler_outputs
+
+    source = f"from minivllm.metadata import SchedulerOutput as Out\n\ndef f():\n    {code}\n"
+    assert [w for _, w in filled_in_scheduler_outputs(source)] == writes
+
+
+def test_no_scheduler_of_ours_is_refused_by_the_contract_check(tmp_path):
+    from minivllm.course.contracts import filled_in_scheduler_outputs
+    from minivllm.fast import scheduler as fast_scheduler
+    from minivllm.ref import scheduler as ref_scheduler
+
+    package = independent.build("scheduler", tmp_path, "handout_checked")
+    sources = [inspect.getsource(ref_scheduler), inspect.getsource(fast_scheduler),
+               (tmp_path / package / "scheduler.py").read_text()]
+    assert [filled_in_scheduler_outputs(s) for s in sources] == [[], [], []]
+
+
 @pytest.mark.parametrize("serves, older", [
     ("kv_cache_manager", True), ("scheduler", True), ("both", False), ("both", True)],
     ids=["older kv_cache_manager", "older scheduler", "both", "both older"])
