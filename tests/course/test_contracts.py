@@ -218,7 +218,7 @@ ROOT = DOCS.parents[1]
 
 def _contract_section(task_name: str) -> str:
     page = (DOCS / handout_name(get_task(task_name))).read_text()
-    section = re.search(r"## What the \w+ calls: the contract\n(.*?)\n## ", page, re.S)
+    section = re.search(r"## What the [\w ]+ calls: the contract\n(.*?)\n## ", page, re.S)
     assert section, f"{handout_name(get_task(task_name))} has no 'What the ... calls' section"
     return section.group(1)
 
@@ -256,6 +256,18 @@ def test_the_kv_cache_manager_handout_names_everything_the_scheduler_calls() -> 
     missing = _unnamed(called, _contract_section("kv_cache_manager"))
     assert not missing, f"the scheduler calls kv_cache_manager.{missing}; " \
                         "04_kv_cache_manager.md's contract does not say so"
+
+
+def test_the_allocator_handout_names_everything_its_callers_use() -> None:
+    callers = [ROOT / "minivllm" / "ref" / f"{m}.py" for m in ("kv_cache_manager", "scheduler")]
+    callers += [ROOT / "minivllm" / "fast" / "kv_cache_manager.py",
+                ROOT / "minivllm" / "scheduler_groups.py"]
+    called = _attributes_read_on("block_allocator", callers) | _attributes_read_on(
+        "allocator", callers)
+    assert {"allocate", "free", "touch", "lookup_cached_blocks"} <= called
+    missing = _unnamed(called, _contract_section("allocator"))
+    assert not missing, f"the KV cache manager or scheduler uses block_allocator.{missing}; " \
+                        "01_allocator.md's contract does not say so"
 
 
 def test_the_scheduler_handout_builds_the_output_with_every_field() -> None:
