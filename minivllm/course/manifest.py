@@ -274,7 +274,9 @@ def missing_for_task(package: str, task: Task) -> str | None:
     The package must serve the task's component itself (a submodule or an
     attribute named after it: the swap layer would otherwise fall back to the
     ref, and the tests would grade the ref), and that module must define the
-    task's public functions, classes and methods.
+    task's public functions, classes and methods, and must not break a
+    contract that changed since an older handout
+    (:func:`minivllm.course.contracts.contract_break`).
     """
     where = f"task {task.number} ({task.name})"
     try:
@@ -307,4 +309,6 @@ def _missing(package: str, task: Task, where: str) -> str | None:
                 return (f"{backend.provider_name(mod)} has no attribute {name!r}, which {where} "
                         f"needs")
             obj = getattr(obj, part)
-    return None
+    from minivllm.course.contracts import contract_break
+
+    return contract_break(mod, task.component, where)

@@ -176,6 +176,10 @@ class Scheduler(GroupScheduling):
 
         ``in_flight``: ids of running requests whose previous step has not come
         back yet; they are neither scheduled nor preempted.
+
+        Returns a new :class:`SchedulerOutput`, built in one call with every
+        field as a keyword: it is frozen (its containers are made immutable and
+        each scheduled request is snapshotted), so it cannot be filled in after.
         """
         # BEGIN SOLUTION
         token_budget = self.scheduler_config.max_num_batched_tokens
@@ -315,7 +319,9 @@ class Scheduler(GroupScheduling):
 
         Tokens are appended one at a time and the stop rules checked after
         each, so a stop inside an accepted run ends the request exactly where
-        plain decoding would, and the tokens after it are dropped.
+        plain decoding would, and the tokens after it are dropped. Reads, and
+        never changes, ``scheduler_output`` (frozen) and ``sampled_token_ids``;
+        a request aborted since :meth:`schedule` is skipped.
         """
         # BEGIN SOLUTION
         finished = []
