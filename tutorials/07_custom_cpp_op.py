@@ -28,8 +28,8 @@ matplotlib.use("Agg")  # no window: the figure is saved as a PNG
 import matplotlib.pyplot as plt
 import torch
 from _figures import figure_path  # tutorials/figures/, ignored by git
-from torch.utils.cpp_extension import load_inline
 
+from minivllm.fast.cpp_build import load_inline  # torch's load_inline, under a build lock
 from minivllm.fast.cpu_ops import compile_flags
 from minivllm.ref import layernorm as ref_layernorm
 
