@@ -118,6 +118,11 @@ TORCH_LIBRARY_IMPL(tutorial07, CPU, m) { m.impl("rms_norm", &rms_norm); }
 #
 # ``load_inline`` writes the source into torch's extension cache
 # (``~/.cache/torch_extensions``), compiles it with ninja and loads the library.
+# We call it through ``minivllm.fast.cpp_build``, which holds minivllm's build lock
+# around torch's: torch's own lock, left behind by a build stopped part-way (Ctrl-C),
+# would make every later run wait forever. Ours records who holds it; a dead holder's
+# lock (and torch's) is taken over at once, a live one is named and waited for, at
+# most ``MINIVLLM_BUILD_LOCK_TIMEOUT`` seconds (docs/kernels.md).
 # ``is_python_module=False``: there are no Python bindings to generate; loading the
 # library runs ``TORCH_LIBRARY``, which registers the op with the dispatcher. The
 # schema's ``Tensor(a!)`` says the op writes ``out`` in place: ``torch.compile`` and
