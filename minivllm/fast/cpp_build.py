@@ -33,6 +33,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -126,7 +127,7 @@ def lock_holder(path: Path, seen: dict | None = None) -> dict | None:
 
 def _take_over(path: Path, dead: dict | None) -> None:
     """Remove a killed build's lock, unless another waiter has replaced it meanwhile."""
-    tomb = path.with_name(f"{path.name}.dead.{os.getpid()}")
+    tomb = path.with_name(f"{path.name}.dead.{_me()}")
     try:
         os.replace(path, tomb)  # atomic: of two waiters, one moves it
     except FileNotFoundError:
@@ -145,16 +146,22 @@ def _describe(holder: dict) -> str:
     return f"process {holder['pid']} on {holder['host']} (building since {since}, {ago:.0f} s ago)"
 
 
-def _write_lock(path: Path) -> bool:
-    """Create ``path`` holding this process's pid, host and start time; False if it exists."""
+def _me() -> str:
+    """This process and thread, for temporary file names no other waiter uses."""
+    return f"{os.getpid()}.{threading.get_ident()}"
+
+
+def _write_lock(path: Path) -> dict | None:
+    """Create ``path`` holding this process's pid, host and start time (returned); None if
+    it exists."""
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{_me()}.tmp")
     tmp.write_text(json.dumps(me))
     try:
         os.link(tmp, path)  # atomic, and fails if the lock exists
-        return True
+        return me
     except FileExistsError:
-        return False
+        return None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -177,7 +184,7 @@ def build_lock(build_dir: str | Path, timeout: float | None = None):
     build_dir.mkdir(parents=True, exist_ok=True)
     path = build_dir / LOCK_NAME
     start, said = time.monotonic(), False
-    while not _write_lock(path):
+    while (me := _write_lock(path)) is None:
         seen = _read(path)
         holder = lock_holder(path, seen)
         if holder is None:
@@ -202,7 +209,8 @@ def build_lock(build_dir: str | Path, timeout: float | None = None):
                   file=sys.stderr, flush=True)
         yield
     finally:
-        path.unlink(missing_ok=True)
+        if _read(path) == me:  # ours still (never another's, should ours have been taken)
+            path.unlink(missing_ok=True)
 
 
 def load(name: str, sources: list[str], **kwargs):
