@@ -10,7 +10,7 @@ SIGKILL waits forever. The lock's own rules (a live holder named at once, the
 wait bounded, a dead holder taken over) are checked on a real live and a real
 dead process.
 
-Run: ``pytest -q tests/test_cpp_build.py`` (about a minute: one full compile of
+Run: ``pytest -q tests/test_cpp_build.py`` (one to two minutes: one full compile of
 the tiny extension, which includes torch's headers, and two cut short).
 """
 
