@@ -21,6 +21,8 @@ What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one pa
    takes a minute or so and prints one line saying so; later processes reuse
    the cached library (torch rebuilds it when a source or flag changes).
    ``make setup`` builds it ahead of time (``python -m minivllm.fast.cpu_ops``).
+   The build runs under minivllm's build lock (:mod:`minivllm.fast.cpp_build`),
+   so one stopped part-way never leaves the next waiting forever.
 4. If there is no compiler, or the build fails, :func:`build` returns the
    reason instead of raising; :mod:`minivllm.backend` then serves the kernel
    components from ``minivllm.ref`` with one warning giving that reason.
