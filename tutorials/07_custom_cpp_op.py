@@ -28,8 +28,8 @@ matplotlib.use("Agg")  # no window: the figure is saved as a PNG
 import matplotlib.pyplot as plt
 import torch
 from _figures import figure_path  # tutorials/figures/, ignored by git
-from torch.utils.cpp_extension import load_inline
 
+from minivllm.fast.cpp_build import load_inline  # torch's load_inline, under a build lock
 from minivllm.fast.cpu_ops import compile_flags
 from minivllm.ref import layernorm as ref_layernorm
 
@@ -118,6 +118,11 @@ TORCH_LIBRARY_IMPL(tutorial07, CPU, m) { m.impl("rms_norm", &rms_norm); }
 #
 # ``load_inline`` writes the source into torch's extension cache
 # (``~/.cache/torch_extensions``), compiles it with ninja and loads the library.
+# We call it through ``minivllm.fast.cpp_build``, which holds minivllm's build lock
+# around torch's: torch's own lock, left behind by a build stopped part-way (Ctrl-C),
+# would make every later run wait forever. Ours records who holds it; a dead holder's
+# lock (and torch's) is taken over at once, a live one is named and waited for, at
+# most ``MINIVLLM_BUILD_LOCK_TIMEOUT`` seconds (docs/kernels.md).
 # ``is_python_module=False``: there are no Python bindings to generate; loading the
 # library runs ``TORCH_LIBRARY``, which registers the op with the dispatcher. The
 # schema's ``Tensor(a!)`` says the op writes ``out`` in place: ``torch.compile`` and

@@ -66,8 +66,9 @@ TEST_TIMEOUT = 180.0
 #: test harness (a submission has no business with pytest).
 FORBIDDEN_IMPORTS = ("minivllm.ref", "minivllm.fast", "minivllm.testing", "minivllm.course",
                      "pytest", "_pytest")
-#: ... except these helpers, which hold no solution (Triton's stand-in where it is missing).
-ALLOWED_IMPORTS = ("minivllm.fast._no_triton",)
+#: ... except these helpers, which hold no solution (Triton's stand-in where it is missing;
+#: the C++ build under minivllm's build lock, which the C++ task's module calls).
+ALLOWED_IMPORTS = ("minivllm.fast._no_triton", "minivllm.fast.cpp_build")
 
 
 def task_test_files(tasks: list[Task]) -> list[str]:

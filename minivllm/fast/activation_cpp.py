@@ -6,7 +6,9 @@ same source the full C++ backend, :mod:`minivllm.fast.cpu_ops`, compiles) is
 included into a few lines of glue that allocate the output and bind one
 Python function with pybind11; :func:`torch.utils.cpp_extension.load_inline`
 compiles that with the host compiler into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``) and imports it.
+(``$TORCH_EXTENSIONS_DIR``) and imports it. It is called through
+:func:`minivllm.fast.cpp_build.load_inline`, which holds minivllm's build lock
+around it, so a build stopped part-way never leaves the next one waiting forever.
 
 This is the course's C++ task (Task 16): the student package holds a copy of
 this module and of ``csrc/activation.cpp`` with the loop body stubbed out,
@@ -23,6 +25,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from minivllm.fast.cpp_build import load_inline  # torch's, under minivllm's build lock
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("activation.cpp", "ops.h", "thread_team.h", "thread_team.cpp")
@@ -45,8 +49,6 @@ torch::Tensor course_silu_and_mul(const torch::Tensor& input) {
 @functools.cache
 def _library():
     """Compile (once per source version) and import the extension."""
-    from torch.utils.cpp_extension import load_inline
-
     digest = hashlib.sha256(_GLUE.encode())
     for name in SOURCES:
         digest.update((CSRC / name).read_bytes())

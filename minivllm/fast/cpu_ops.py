@@ -21,6 +21,8 @@ What you learn here: the custom-op flow vLLM uses for its CPU kernels, in one pa
    takes a minute or so and prints one line saying so; later processes reuse
    the cached library (torch rebuilds it when a source or flag changes).
    ``make setup`` builds it ahead of time (``python -m minivllm.fast.cpu_ops``).
+   The build runs under minivllm's build lock (:mod:`minivllm.fast.cpp_build`),
+   so one stopped part-way never leaves the next waiting forever.
 4. If there is no compiler, or the build fails, :func:`build` returns the
    reason instead of raising; :mod:`minivllm.backend` then serves the kernel
    components from ``minivllm.ref`` with one warning giving that reason.
@@ -34,18 +36,17 @@ the ref on a CPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import json
 import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from minivllm.fast import cpp_build
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "copy_blocks.cpp", "layernorm.cpp",
@@ -97,9 +98,7 @@ def compile_flags() -> list[str]:
 
 def build_directory() -> Path:
     """Where torch's extension cache keeps this library (outside the repository)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return Path(_get_build_directory(NAME, verbose=False))
+    return cpp_build.build_directory(NAME)
 
 
 def _is_built(build_dir: Path) -> bool:
@@ -109,106 +108,6 @@ def _is_built(build_dir: Path) -> bool:
         return False
     newest_source = max((CSRC / s).stat().st_mtime for s in (*SOURCES, *HEADERS))
     return min(lib.stat().st_mtime for lib in libs) >= newest_source
-
-
-#: A build lock untouched this long, in a folder untouched this long, is a killed build's
-#: (the rule for a lock whose holder cannot be checked: torch's own, or another host's).
-STALE_LOCK_SECONDS = 600
-#: Seconds between two looks at a lock held by a live build.
-LOCK_POLL_SECONDS = 0.5
-
-
-def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
-    """Remove torch's ``build_dir/lock`` if a killed build left it; True if it did.
-
-    torch's extension loader takes a ``lock`` file while it builds and waits,
-    silently and forever, while that file exists. A build killed part-way
-    (Ctrl-C, a timeout) leaves it behind, and every later process hangs. A live
-    build writes its object files as it goes, so a lock that is, with every
-    file beside it, older than :data:`STALE_LOCK_SECONDS` has no builder left.
-    (minivllm's own builds hold :func:`build_lock` around torch's, so torch's lock
-    is cleared at once when no minivllm build holds that.)
-    """
-    lock = build_dir / "lock"
-    now = time.time() if now is None else now
-    try:
-        newest = max(f.stat().st_mtime for f in build_dir.iterdir())
-    except (FileNotFoundError, ValueError):  # no folder, or an empty one
-        return False
-    if not lock.exists() or now - newest < STALE_LOCK_SECONDS:
-        return False
-    lock.unlink(missing_ok=True)
-    print(f"minivllm: removed {lock}, left by a build that was stopped "
-          f"{(now - newest) / 60:.0f} min ago", file=sys.stderr, flush=True)
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def lock_holder(path: Path) -> dict | None:
-    """``{"pid", "host", "started"}`` of the build holding ``path``, or None if none does.
-
-    A holder on this host whose process is gone is no holder: the lock is a
-    killed build's. On another host (a shared home directory) it cannot be
-    checked; there the age rule of :func:`clear_stale_lock` applies.
-    """
-    try:
-        holder = json.loads(path.read_text())
-        pid, host = int(holder["pid"]), str(holder["host"])
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError, OSError):  # half-written: its writer is live
-        return {"pid": -1, "host": "?", "started": path.stat().st_mtime}
-    if host == socket.gethostname() and not _pid_alive(pid):
-        return None
-    if host != socket.gethostname() and time.time() - path.stat().st_mtime > STALE_LOCK_SECONDS:
-        return None
-    return holder
-
-
-@contextlib.contextmanager
-def build_lock(build_dir: Path):
-    """Hold ``build_dir/minivllm.lock`` (this process's pid and host in it) while building.
-
-    A lock held by a live build is waited for, and the wait is said at once:
-    which file, which process. A lock whose holder is dead is taken over; then
-    torch's own lock, left by the same killed build, is removed too.
-    """
-    build_dir.mkdir(parents=True, exist_ok=True)
-    path = build_dir / "minivllm.lock"
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    said = False
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = lock_holder(path)
-            if holder is None:  # a killed build's: take it over
-                path.unlink(missing_ok=True)
-                (build_dir / "lock").unlink(missing_ok=True)
-                continue
-            if not said:
-                print(f"minivllm: waiting for the C++ kernels' build by process "
-                      f"{holder['pid']} on {holder['host']} (lock {path})",
-                      file=sys.stderr, flush=True)
-                said = True
-            time.sleep(LOCK_POLL_SECONDS)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        break
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
 
 
 @functools.cache
@@ -222,21 +121,18 @@ def build() -> tuple[str | None, str | None]:
     if os.environ.get("MINIVLLM_NO_CPP", "0") == "1":
         return None, "MINIVLLM_NO_CPP=1 is set"
     try:
-        from torch.utils.cpp_extension import load as cpp_load
-
         build_dir = build_directory()
-        with build_lock(build_dir):  # one build at a time; a dead one's locks are cleared
-            clear_stale_lock(build_dir)
-            fresh = not _is_built(build_dir)
-            start = time.perf_counter()
-            path = cpp_load(
-                name=NAME,
-                sources=[str(CSRC / s) for s in SOURCES],
-                extra_cflags=compile_flags(),
-                extra_ldflags=["-fopenmp"] if sys.platform.startswith("linux") else [],
-                is_python_module=False,  # a plain library: loading it runs TORCH_LIBRARY
-                verbose=False,
-            )
+        fresh = not _is_built(build_dir)
+        start = time.perf_counter()
+        # One build at a time, and a killed build's locks cleared (minivllm.fast.cpp_build).
+        path = cpp_build.load(
+            name=NAME,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=compile_flags(),
+            extra_ldflags=["-fopenmp"] if sys.platform.startswith("linux") else [],
+            is_python_module=False,  # a plain library: loading it runs TORCH_LIBRARY
+            verbose=False,
+        )
     except Exception as e:  # no compiler, no ninja, a compile error: fall back, never crash
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         return None, f"{type(e).__name__}: {lines[-1] if lines else 'build failed'}"

@@ -111,6 +111,17 @@ def test_stubs_keep_every_signature_and_docstring(tmp_path):
         student.make_student(tmp_path, "stubs")
 
 
+def test_generated_packages_build_cpp_under_the_lock_and_pass_the_scan(tmp_path):
+    """The C++ task's module, stubbed or solved, builds through minivllm's build lock
+    (``minivllm.fast.cpp_build``), and the import scan lets that helper through."""
+    for name, solution in (("stubs", False), ("solved", True)):
+        pkg = student.make_student(tmp_path, name, solution=solution)
+        text = (pkg / "activation_cpp.py").read_text()
+        assert "from minivllm.fast.cpp_build import load_inline" in text
+        assert "torch.utils.cpp_extension import" not in text  # not torch's bare lock
+        assert grading.scan_package(pkg) == [], name
+
+
 # ------------------------------------------------------------------------- the swap layer
 
 
