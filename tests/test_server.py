@@ -95,6 +95,16 @@ def test_streamed_equals_full_equals_offline_with_exact_usage(tiny, prompt) -> N
     assert all(ch.choices[0].finish_reason is None for ch in text_chunks[:-1])
     assert chunks[-1].usage.completion_tokens == 13  # the usage chunk comes last
     assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+    assert all(ch.usage is None for ch in text_chunks)
+    # vLLM's continuous_usage_stats: every chunk says the tokens so far, the last 13.
+    chunks = list(c.completions.create(
+        model="tiny", prompt=prompt, temperature=0, max_tokens=13, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    so_far = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert so_far == sorted(so_far) and so_far[-1] == 13 and so_far[0] >= 1
+    assert all(ch.usage.prompt_tokens == len(want.prompt_token_ids) for ch in chunks)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.outputs[0].text
 
 
 def test_chat_uses_the_chat_template(tiny) -> None:

@@ -254,7 +254,9 @@ class OpenAIServing:
             raise APIError(500, str(e)) from None
         num_prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n
         if req.stream:
-            return self._stream(streams, kind, num_prompt_tokens, req.include_usage())
+            # vLLM's continuous_usage_stats: usage so far on every chunk (with include_usage).
+            every = req.include_usage() and req.stream_options.continuous_usage_stats
+            return self._stream(streams, kind, num_prompt_tokens, req.include_usage(), every)
         return await self._full(streams, kind, num_prompt_tokens)
 
     async def _full(self, streams: list[RequestStream], kind: Kind,
@@ -292,8 +294,11 @@ class OpenAIServing:
         return kind.envelope(choices, usage(num_prompt_tokens, num_out))
 
     async def _stream(self, streams: list[RequestStream], kind: Kind, num_prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """SSE chunks: deltas, ``finish_reason`` on each choice's last one, usage, [DONE]."""
+                      include_usage: bool, continuous_usage: bool = False,
+                      ) -> AsyncIterator[str]:
+        """SSE chunks: deltas, ``finish_reason`` on each choice's last one, usage, [DONE].
+
+        ``continuous_usage``: every delta chunk also carries the usage so far."""
         num_out = [0] * len(streams)
         chunk = kind.chunk
         calls = None if kind.tools is None else [ToolCallStream(kind.tools) for _ in streams]
@@ -314,9 +319,11 @@ class OpenAIServing:
                     if calls is not None:
                         delta, finish = calls[i].delta(d.text, d.finish_reason)
                         body = {"delta": delta}
+                    so_far = usage(num_prompt_tokens, sum(num_out)) if continuous_usage \
+                        else None
                     yield sse(chunk([{"index": i, **body, "logprobs": lp,
                                       "finish_reason": finish,
-                                      "stop_reason": d.stop_reason}]))
+                                      "stop_reason": d.stop_reason}], so_far))
             if include_usage:
                 yield sse(chunk([], usage(num_prompt_tokens, sum(num_out))))
             yield sse("[DONE]")
