@@ -88,6 +88,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "schema, regex, choice or grammar: the server's response_format, "
                         "structured_outputs and tools; docs/structured_outputs.md); a slower "
                         "one is refused with a 400 (default 10)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs (top_logprobs) a request may ask for; -1 lifts the "
+                        "cap, and then logprobs=-1 returns the whole vocabulary's (default 20, "
+                        "as vLLM)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="the model's recommended sampling defaults and EOS ids, as vLLM: "
                         "'auto' reads generation_config.json beside the model, 'vllm' ignores "
@@ -143,7 +147,7 @@ def _make_llm(args):
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout_s,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, max_logprobs=args.max_logprobs,
     )
 
 

@@ -281,8 +281,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "in [0, 20] or None")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", ">= 0, -1 (the whole vocabulary) or None; the engine's "
+                                  "max_logprobs caps it")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):

@@ -197,6 +197,35 @@ def test_logprobs_match_transformers(tiny_model_dir):
             assert lp[t].logprob == pytest.approx(v, abs=1e-4)
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary_under_max_logprobs(tiny_model_dir):
+    """vLLM's rules: ``logprobs=-1`` is every token's log-probability, allowed once
+    ``max_logprobs=-1`` lifts the engine's cap (default 20, which refuses 21 and -1)."""
+    path = tiny_model_dir("qwen2")
+    prompt = random_prompts(1, [9], seed=5)[0]
+    capped = make_llm(path)
+    for asked in (21, -1):
+        with pytest.raises(ValueError, match=f"logprobs={asked} .*max_logprobs=20"):
+            capped.generate({"prompt_token_ids": prompt}, greedy(2, logprobs=asked),
+                            use_tqdm=False)
+    assert capped.llm_engine.scheduler.num_free_blocks == \
+        capped.llm_engine.cache_config.num_blocks
+    five = make_llm(path, max_logprobs=5)
+    five.generate({"prompt_token_ids": prompt}, greedy(2, logprobs=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs=5"):
+        five.generate({"prompt_token_ids": prompt}, greedy(2, logprobs=6), use_tqdm=False)
+    llm = make_llm(path, max_logprobs=-1)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(3, logprobs=-1),
+                       use_tqdm=False)[0].outputs[0]
+    seq = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(path)(seq).logits[0].float(), -1)[len(prompt) - 1:-1]
+    vocab = ref.shape[-1]
+    for step, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert len(lp) == vocab and lp[tok].rank == 1
+        got = torch.tensor([lp[t].logprob for t in range(vocab)])
+        torch.testing.assert_close(got, ref[step], atol=1e-4, rtol=0)
+
+
 def test_bad_input_gets_clear_errors_and_harms_no_one(tiny_model_dir):
     path = tiny_model_dir("llama")
     llm = make_llm(path, max_model_len=64, num_gpu_blocks_override=32, block_size=4)

@@ -65,8 +65,7 @@ BAD_VALUES = [
     ("max_tokens", 0),
     ("max_tokens", -3),
     ("min_tokens", -1),
-    ("logprobs", -1),
-    ("logprobs", 21),
+    ("logprobs", -2),  # -1 is vLLM's whole vocabulary; the engine's max_logprobs caps the rest
     ("stop", [""]),
     ("stop", ""),
     ("stop", ["ok", 3]),

@@ -44,6 +44,7 @@ _INT_RANGES = (
     ("num_gpu_blocks_override", 1, 1 << 24),
     ("tensor_parallel_size", 1, 1024),
     ("pipeline_parallel_size", 1, 1024),
+    ("max_logprobs", -1, 1 << 24),
 )
 
 
@@ -186,6 +187,8 @@ class EngineConfig:
     (``"auto"``) or quantized, ``"int8"`` or ``"fp8"`` (= ``"fp8_e4m3"``), with
     a float32 scale per token and KV head: 3.8x the tokens of a float32 cache
     at head_dim 64, 1.9x of a bf16 one (docs/kv_cache.md).
+    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` a request may ask
+    for; -1 lifts the cap (then ``logprobs=-1``, the whole vocabulary, is allowed).
     ``generation_config`` (vLLM's): ``"auto"`` takes the model's
     ``generation_config.json`` (its recommended sampling defaults and every EOS id),
     ``"vllm"`` ignores it, a folder reads it from there
@@ -230,6 +233,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     structured_outputs_compile_timeout_s: float | None = 10.0
     generation_config: str = "auto"
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one rule each); read the environment."""

@@ -20,6 +20,7 @@ calls it only once everything here has succeeded.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -42,17 +43,19 @@ class InputProcessor:
             (it makes a seeded request's own generator).
         generation: the model's generation config (its other EOS ids stop every
             request too); None: none.
+        max_logprobs: the most ``logprobs`` a request may ask for (-1: no cap).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
                  eos_token_id: int | None, sampler: Any,
-                 generation: GenerationDefaults | None = None) -> None:
+                 generation: GenerationDefaults | None = None, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.sampler = sampler
         self.generation = GenerationDefaults() if generation is None else generation
+        self.max_logprobs = max_logprobs
 
     def validate_prompt(self, prompt_token_ids: list[int],
                         sampling_params: SamplingParams) -> None:
@@ -74,6 +77,14 @@ class InputProcessor:
                 f"({max_tokens}) must be at most max_model_len={self.max_model_len}"
             )
         vocab = self.vocab_size
+        asked = sampling_params.logprobs
+        if asked is not None:  # vLLM's rule: -1 is the whole vocabulary, on both sides
+            cap = vocab if self.max_logprobs == -1 else self.max_logprobs
+            if (vocab if asked == -1 else asked) > cap:
+                raise ValueError(
+                    f"logprobs={asked} asks for more log-probabilities a token than "
+                    f"max_logprobs={self.max_logprobs} allows (the engine argument "
+                    f"max_logprobs, --max-logprobs; -1 there lifts the cap)")
         bad = [t for t in prompt_token_ids
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
@@ -89,6 +100,8 @@ class InputProcessor:
         self.validate_prompt(prompt_token_ids, sampling_params)
         sampling_params.verify()
         sampling_params = self.generation.with_eos(sampling_params, self.eos_token_id)
+        if sampling_params.logprobs == -1:  # the whole vocabulary, as a number from here on
+            sampling_params = dataclasses.replace(sampling_params, logprobs=self.vocab_size)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id,

@@ -122,7 +122,8 @@ class LLMEngine:
         self.generation = load_generation_defaults(config.generation_config,
                                                    resolve_model_path(config.model))
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
-                                              eos_token_id, self.sampler, self.generation)
+                                              eos_token_id, self.sampler, self.generation,
+                                              config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Constrained requests' grammars: compiled at add, masks before sampling.
         self.structured = StructuredOutputs(self.components.structured_output, self.tokenizer,

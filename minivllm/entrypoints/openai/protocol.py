@@ -314,8 +314,9 @@ class CompletionRequest(_SamplingFields):
         if self.best_of not in (None, self.n):
             raise APIError(400, f"best_of must equal n ({self.n}) or be left out, "
                                 f"got {self.best_of}", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise APIError(400, f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.logprobs is not None and self.logprobs < -1:  # the engine checks the cap
+            raise APIError(400, f"logprobs must be >= 0 or -1 (the whole vocabulary), got "
+                                f"{self.logprobs}", "logprobs")
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
@@ -387,9 +388,9 @@ class ChatCompletionRequest(_SamplingFields):
                            "logit_bias")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
-                           "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < -1:  # the engine caps it
+            raise APIError(400, f"top_logprobs must be >= 0 or -1 (the whole vocabulary), "
+                                f"got {self.top_logprobs}", "top_logprobs")
 
     def _max_tokens_logprobs(self) -> tuple[int | None, int | None]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \

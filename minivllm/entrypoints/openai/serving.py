@@ -244,7 +244,8 @@ class OpenAIServing:
                 raise compile_error(constraint, e.reason) from None  # the same for every prompt
             where = f"prompt {e.index}: " if len(prompts) > 1 else ""
             # The group's own checks name n (as beam_width, for a beam search).
-            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else "prompt"
+            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else \
+                "logprobs" if e.reason.startswith("logprobs") else "prompt"
             raise APIError(400, where + e.reason, field) from None
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
