@@ -26,7 +26,7 @@ from minivllm.engine.executor import UniProcExecutor
 from minivllm.engine.launcher import make_executor
 from minivllm.engine.multiproc_executor import MultiprocExecutor
 from minivllm.engine.ranks import simulates_all_ranks
-from minivllm.engine.wire import pack_step_input, unpack_step_input
+from minivllm.engine.wire import pack_rpc, pack_step_input, unpack_rpc, unpack_step_input
 from minivllm.metadata import StepInput
 from minivllm.tp_shards import valid_tp_sizes
 
@@ -135,6 +135,29 @@ def test_pack_unpack_round_trip() -> None:
     # (the fixed part: the ids' text, and a length word per field, block copies and
     # LoRA ids included).
     assert payload.numel() < 2 * step.num_tokens + 4 * len(step.req_ids) + 72
+
+
+def test_rpc_message_round_trip() -> None:
+    """One call, any method: the name, the arguments and the reply flag come back
+    as sent, a StepInput among them in its compact int64 form."""
+    batches = Batches(seed=5, vocab=50, num_prompts=3, prefix="ü")
+    step = batches.next_input()
+    header, payload = pack_rpc("execute_model", (step, 7), {"clear": True, "s": "再见"},
+                               reply=False)
+    assert header.dtype == torch.int64 and payload.dtype == torch.uint8
+    assert header.tolist() == [payload.numel(), 0]
+    method, args, kwargs = unpack_rpc(payload)
+    assert method == "execute_model" and args[1] == 7 and kwargs == {"clear": True, "s": "再见"}
+    back = args[0]
+    for name in ("req_ids", "new_req_ids", "new_block_ids", "removed_req_ids",
+                 "query_lens", "seq_lens", "lora_ids", "blocks_to_copy"):
+        assert getattr(back, name) == getattr(step, name), name
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(back, name), getattr(step, name)), name
+    # The step's bytes are its packed message plus a fixed pickling overhead.
+    _, packed = pack_step_input(step)
+    assert payload.numel() < 8 * packed.numel() + 400
+    assert pack_rpc("memory_bytes")[0].tolist()[1] == 1  # replies by default
 
 
 @pytest.mark.parametrize("arch,overrides,tp", [

@@ -18,8 +18,8 @@ start, and how their failure is seen, is a strategy:
   collective.
 
 Either way the other ranks run the same loop,
-:func:`minivllm.engine.worker.serve`, and the steps reach them in the same
-messages (:mod:`minivllm.engine.wire`). This differs from vLLM's
+:func:`minivllm.engine.worker.serve`, and every call reaches them in the same
+message (:mod:`minivllm.engine.wire`). This differs from vLLM's
 ``external_launcher``, where every rank runs a whole engine and the ranks
 agree because scheduling is deterministic: here rank 0's decisions travel
 to the others, exactly as with spawned workers, so ``minivllm serve`` (one
@@ -121,7 +121,7 @@ def _main_module_hidden() -> Iterator[None]:
 def _spawned_rank_main(rank: int, init_method: str, dist_backend: str, config: WorkerConfig,
                        device: torch.device, components: Any, parent_pid: int,
                        ready: Any) -> None:
-    """Entry point of spawned rank ``rank``: join the group, load the model, serve commands."""
+    """Entry point of spawned rank ``rank``: join the group, load the model, serve calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine process's business
     threading.Thread(target=exit_if_orphaned, args=(parent_pid,), daemon=True).start()
     _enter(device, config.num_ranks)
@@ -132,13 +132,13 @@ def _spawned_rank_main(rank: int, init_method: str, dist_backend: str, config: W
         # `components` arrived pickled as the engine's decided choices and was
         # rebuilt from them: the engine's record, not this process's default.
         worker = Worker(config, components, pp_rank=pp_rank, device=device)
-        link = StageLink(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-                         worker.hf_config.hidden_size, config.dtype, device)
+        worker.link = StageLink(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                worker.hf_config.hidden_size, config.dtype, device)
     except BaseException:
         ready.put(("error", rank, traceback.format_exc()))
         raise
     ready.put(("ready", rank, None))
-    serve(worker, link)
+    serve(worker)
     distributed.destroy_distributed()
 
 
@@ -335,15 +335,16 @@ def run_launched_rank(env: LauncherEnv, config: WorkerConfig, components: Any) -
                                      config.timeout_s, tp_size=config.tensor_parallel_size)
         pp_rank, _ = rank_coords(env.rank, config.tensor_parallel_size)
         worker = Worker(config, components, pp_rank=pp_rank, device=device)
-        link = StageLink(env.rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-                         worker.hf_config.hidden_size, config.dtype, device)
+        worker.link = StageLink(env.rank, config.tensor_parallel_size,
+                                config.pipeline_parallel_size, worker.hf_config.hidden_size,
+                                config.dtype, device)
     except Exception:
         print(f"minivllm: rank {env.rank} failed to start:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         distributed.destroy_distributed()
         raise SystemExit(1) from None
     try:
-        serve(worker, link)
+        serve(worker)
     except Exception as e:  # a broken collective: rank 0 (or another rank) went away
         print(f"minivllm: rank {env.rank} lost the group (rank 0 or another rank died "
               f"or left without shutting the engine down): {e}", file=sys.stderr, flush=True)
