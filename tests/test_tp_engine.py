@@ -12,7 +12,9 @@ import dataclasses
 import gc
 import os
 import random
+import re
 import signal
+import socket
 import threading
 import time
 
@@ -239,7 +241,8 @@ def test_killed_worker_raises_quickly_and_leaves_no_orphans(tiny_model_dir) -> N
         # death lands mid-step or between steps, whichever comes first.
         threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exitcode -9\)"):
+        with pytest.raises(RuntimeError, match=rf"tensor-parallel rank 1 \(pid {pid}\) died: "
+                                               "killed by SIGKILL"):
             for i in range(100_000):  # new requests each time, freed at once
                 batches = Batches(seed=1, vocab=ex.hf_config.vocab_size, prefix=f"{i}-")
                 step = batches.next_input()
@@ -322,6 +325,55 @@ def test_llm_generate_raises_when_a_worker_dies(tiny_model_dir) -> None:
     finally:
         llm.shutdown()
     assert _gone(pid)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir) -> None:
+    """Offline, real processes: SIGKILL a rank mid-generate. ``generate`` raises within
+    10 s naming the rank, its pid and its signal; no rank process is left, even before
+    ``shutdown``; and the shutdown after it leaves no process and no port behind."""
+    from minivllm import LLM, SamplingParams
+
+    spec = cpu_spec(**{n: "ref" for n, k in COMPONENTS.items() if k == "kernel"},
+                    linear="fast")  # real processes under either backend
+    llm = LLM(str(tiny_model_dir("llama")), backend=spec, tensor_parallel_size=2,
+              dtype="float32", device="cpu", max_model_len=256)
+    executor = llm.llm_engine.executor
+    procs = list(executor.procs)
+    port = int(executor.ranks.init_method.rsplit(":", 1)[1])
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    try:
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)  # all ranks up
+        pid, killed_at = procs[0].pid, []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Timer(0.3, kill).start()  # lands mid-generate: one takes seconds here
+        with pytest.raises(RuntimeError) as error:
+            for _ in range(1000):
+                llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+        assert killed_at and time.monotonic() - killed_at[0] < 10
+        assert re.search(rf"tensor-parallel rank 1 \(pid {pid}\) died: killed by SIGKILL",
+                         str(error.value)), str(error.value)
+        assert not any(p.is_alive() for p in procs)  # before shutdown: nothing waits on
+        assert not llm.llm_engine.has_unfinished_requests()  # the failed request was aborted
+        with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+            llm.llm_engine.executor.check_health()  # and later calls are refused
+    finally:
+        llm.shutdown()
+    assert all(_gone(p.pid) for p in procs)
+    assert _port_is_free(port)
 
 
 def test_course_package_without_linear_runs_tp2_in_one_process(tiny_model_dir, tmp_path,

@@ -27,10 +27,12 @@ Failure handling, so that nothing hangs and nothing is orphaned:
 - spawned ranks are daemons and poll their parent's pid (a watchdog thread):
   if the engine process dies, they exit; they ignore Ctrl-C (the engine
   process handles it and shuts them down: ``atexit``, ``__del__``, or ``with``);
-- rank 0 checks that every spawned rank is alive before each step, and the
-  process groups have a timeout (``WorkerConfig.timeout_s``), so a rank that
-  dies mid-step makes the step raise ``RuntimeError("tensor-parallel worker N
-  died (exitcode ...)")`` within seconds instead of blocking forever;
+- a thread watches the spawned ranks: the first one that dies is named and
+  every other one is killed at once, so a rank that dies mid-step makes the
+  step raise ``RuntimeError("tensor-parallel rank N (pid P) died: killed by
+  SIGKILL")`` within seconds instead of blocking, and no rank is left
+  waiting on it; rank 0 also checks before each call, and the process groups
+  have a timeout (``WorkerConfig.timeout_s``) for what no exit code shows;
 - a step that rank 0's block table refuses (``ValueError``) raises, and the
   executor refuses every later step, since its ranks' tables may now
   disagree.
@@ -59,6 +61,13 @@ def _shutdown_if_alive(ref: weakref.ref) -> None:
     executor = ref()
     if executor is not None:
         executor.shutdown()
+
+
+def _without_frames(error: Exception) -> Exception:
+    """``error`` without its traceback: the frames of a failed collective hold its
+    process group, and so the group's TCP store and port, for as long as the caller
+    keeps the error we raise from it (the message says what happened)."""
+    return error.with_traceback(None)
 
 
 class MultiprocExecutor(Executor):
@@ -146,7 +155,7 @@ class MultiprocExecutor(Executor):
             return fn()
         except Exception as e:
             self._failure = self.ranks.explain(e)
-            raise RuntimeError(self._failure) from e
+            raise RuntimeError(self._failure) from _without_frames(e)
 
     # -- the one call ---------------------------------------------------------
 
@@ -192,7 +201,7 @@ class MultiprocExecutor(Executor):
                              f"{error}")
             raise error
         self._failure = self.ranks.explain(error)  # most often: a rank died mid-step
-        raise RuntimeError(self._failure) from error
+        raise RuntimeError(self._failure) from _without_frames(error)
 
     def logits_later(self, num_rows: int) -> PendingStep:
         """Stage 0 has run and sent its output on: the logits come back later, in order."""
@@ -220,6 +229,7 @@ class MultiprocExecutor(Executor):
             return
         atexit.unregister(self._atexit)
         if self._failure is None and hasattr(self, "link") and not self.ranks.dead_ranks():
+            self.ranks.expect_exit()  # the ranks exit now because they are asked to
             try:
                 while self._pending:  # the last stage's sends must be received first
                     self.collect_oldest()
