@@ -67,14 +67,10 @@ def describe_rank(rank: int, tp_size: int, pp_size: int) -> str:
 
 def describe_exit(exitcode: int | None) -> str:
     """``"killed by SIGKILL"`` for a negative exit code, ``"exited with status 1"`` else."""
-    if exitcode is None:
-        return "is still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
+    if exitcode is None or exitcode >= 0:
+        return f"exited with status {exitcode}"
+    names = {s.value: s.name for s in signal.Signals}
+    return f"killed by {names.get(-exitcode, f'signal {-exitcode}')}"
 
 
 def exit_if_orphaned(parent_pid: int) -> None:
@@ -177,8 +173,7 @@ class SpawnedRanks:
         self.procs: list[Any] = []
         self.init_method = ""  # where the group meets (tcp://127.0.0.1:port)
         self._config: WorkerConfig | None = None
-        self._ready: Any = None
-        self._ready_ranks: set[int] = set()
+        self._ready, self._ready_ranks = None, set()
         self._first_death: str | None = None  # set once, by the watch thread
         self._expect_exit = threading.Event()  # set: exits from now on are the shutdown's
         self._settled = threading.Event()  # set: the watch thread is done (it stopped the rest)
@@ -210,26 +205,20 @@ class SpawnedRanks:
         return f"{name} (pid {proc.pid}) died: {describe_exit(proc.exitcode)}"
 
     def _watch(self) -> None:
-        """Watch thread body: at the first rank that exits unasked, name it and kill the rest.
-
-        Killing the others is what bounds the failure: a rank waiting on the dead
-        one (for the next call, or inside a collective) would otherwise wait for
-        its group's timeout, and rank 0's own collectives with them fail as soon
-        as their connections close.
-        """
+        """Watch thread body: at the first rank that exits unasked, name it and kill the
+        rest, which would otherwise wait on it for their group's timeout (rank 0's
+        collectives with them fail as soon as their connections close)."""
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
         try:
-            while not self._expect_exit.is_set():
+            ready: list[Any] = []
+            while not ready and not self._expect_exit.is_set():
                 ready = mp_connection.wait(list(sentinels), timeout=0.2)
-                if ready and not self._expect_exit.is_set():
-                    break
-            else:
+            if self._expect_exit.is_set():
                 return
             rank, proc = sentinels[ready[0]]
             proc.join(timeout=1)  # its exit code
             for other in self.procs:
-                if other.is_alive():
-                    other.kill()
+                other.kill()  # a no-op for one that has exited
             for other in self.procs:
                 other.join(timeout=5)  # reaped: no rank is left once the error is raised
             self._first_death = self._describe(rank, proc)
@@ -288,8 +277,7 @@ class SpawnedRanks:
             self._settled.wait(timeout=5)
         if self._first_death is not None:
             return [self._first_death]
-        return [self._describe(rank, p)
-                for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return [self._describe(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
     def explain(self, error: Exception) -> str:
         """A collective failed: name the rank that died (giving the OS 5 s to report it)."""
