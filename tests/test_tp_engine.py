@@ -12,7 +12,9 @@ import dataclasses
 import gc
 import os
 import random
+import re
 import signal
+import socket
 import threading
 import time
 
@@ -26,7 +28,7 @@ from minivllm.engine.executor import UniProcExecutor
 from minivllm.engine.launcher import make_executor
 from minivllm.engine.multiproc_executor import MultiprocExecutor
 from minivllm.engine.ranks import simulates_all_ranks
-from minivllm.engine.wire import pack_step_input, unpack_step_input
+from minivllm.engine.wire import pack_rpc, pack_step_input, unpack_rpc, unpack_step_input
 from minivllm.metadata import StepInput
 from minivllm.tp_shards import valid_tp_sizes
 
@@ -137,6 +139,29 @@ def test_pack_unpack_round_trip() -> None:
     assert payload.numel() < 2 * step.num_tokens + 4 * len(step.req_ids) + 72
 
 
+def test_rpc_message_round_trip() -> None:
+    """One call, any method: the name, the arguments and the reply flag come back
+    as sent, a StepInput among them in its compact int64 form."""
+    batches = Batches(seed=5, vocab=50, num_prompts=3, prefix="ü")
+    step = batches.next_input()
+    header, payload = pack_rpc("execute_model", (step, 7), {"clear": True, "s": "再见"},
+                               reply=False)
+    assert header.dtype == torch.int64 and payload.dtype == torch.uint8
+    assert header.tolist() == [payload.numel(), 0]
+    method, args, kwargs = unpack_rpc(payload)
+    assert method == "execute_model" and args[1] == 7 and kwargs == {"clear": True, "s": "再见"}
+    back = args[0]
+    for name in ("req_ids", "new_req_ids", "new_block_ids", "removed_req_ids",
+                 "query_lens", "seq_lens", "lora_ids", "blocks_to_copy"):
+        assert getattr(back, name) == getattr(step, name), name
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(back, name), getattr(step, name)), name
+    # The step's bytes are its packed message plus a fixed pickling overhead.
+    _, packed = pack_step_input(step)
+    assert payload.numel() < 8 * packed.numel() + 400
+    assert pack_rpc("memory_bytes")[0].tolist()[1] == 1  # replies by default
+
+
 @pytest.mark.parametrize("arch,overrides,tp", [
     ("llama", {}, 2),  # GQA: 4 query heads, 2 KV heads -> 2 + 1 per rank
     # SmolLM2's head counts (9 q, 3 kv): 3 + 1 per rank; tied embeddings, vocab 320 / 3 padded
@@ -216,7 +241,8 @@ def test_killed_worker_raises_quickly_and_leaves_no_orphans(tiny_model_dir) -> N
         # death lands mid-step or between steps, whichever comes first.
         threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exitcode -9\)"):
+        with pytest.raises(RuntimeError, match=rf"tensor-parallel rank 1 \(pid {pid}\) died: "
+                                               "killed by SIGKILL"):
             for i in range(100_000):  # new requests each time, freed at once
                 batches = Batches(seed=1, vocab=ex.hf_config.vocab_size, prefix=f"{i}-")
                 step = batches.next_input()
@@ -299,6 +325,55 @@ def test_llm_generate_raises_when_a_worker_dies(tiny_model_dir) -> None:
     finally:
         llm.shutdown()
     assert _gone(pid)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_dead_rank_is_an_error_not_a_hang(tiny_model_dir) -> None:
+    """Offline, real processes: SIGKILL a rank mid-generate. ``generate`` raises within
+    10 s naming the rank, its pid and its signal; no rank process is left, even before
+    ``shutdown``; and the shutdown after it leaves no process and no port behind."""
+    from minivllm import LLM, SamplingParams
+
+    spec = cpu_spec(**{n: "ref" for n, k in COMPONENTS.items() if k == "kernel"},
+                    linear="fast")  # real processes under either backend
+    llm = LLM(str(tiny_model_dir("llama")), backend=spec, tensor_parallel_size=2,
+              dtype="float32", device="cpu", max_model_len=256)
+    executor = llm.llm_engine.executor
+    procs = list(executor.procs)
+    port = int(executor.ranks.init_method.rsplit(":", 1)[1])
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    try:
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)  # all ranks up
+        pid, killed_at = procs[0].pid, []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Timer(0.3, kill).start()  # lands mid-generate: one takes seconds here
+        with pytest.raises(RuntimeError) as error:
+            for _ in range(1000):
+                llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+        assert killed_at and time.monotonic() - killed_at[0] < 10
+        assert re.search(rf"tensor-parallel rank 1 \(pid {pid}\) died: killed by SIGKILL",
+                         str(error.value)), str(error.value)
+        assert not any(p.is_alive() for p in procs)  # before shutdown: nothing waits on
+        assert not llm.llm_engine.has_unfinished_requests()  # the failed request was aborted
+        with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+            llm.llm_engine.executor.check_health()  # and later calls are refused
+    finally:
+        llm.shutdown()
+    assert all(_gone(p.pid) for p in procs)
+    assert _port_is_free(port)
 
 
 def test_course_package_without_linear_runs_tp2_in_one_process(tiny_model_dir, tmp_path,

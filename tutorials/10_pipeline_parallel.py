@@ -92,7 +92,8 @@ with UniProcExecutor(WorkerConfig(str(model_dir), pipeline_parallel_size=2), ref
         held = [i for i, layer in enumerate(inner.layers) if any(True for _ in layer.parameters())]
         print(f"stage {w.pp_rank}: layers {held}, embedding: {w.is_first_rank}, "
               f"norm + LM head: {w.is_last_rank}, {w.memory_bytes()['weights'] / 2**20:.2f} MiB")
-    # One stage at a time, by hand (what UniProcExecutor.execute_model does inside):
+    # One stage at a time, by hand (what each stage's Worker.execute_model does when
+    # UniProcExecutor calls it, handing the output on through a SimulatedStageLink):
     stage0, stage1 = two.workers
     sent = stage0.run_model(stage0.prepare_model_input(prefill))
     for key in sent.keys():

@@ -2,15 +2,20 @@
 
 The engine (scheduler, sampler, outputs) lives in one process and calls its
 executor once per step. :class:`Executor` states everything the engine uses
-of one, so the engine never has to guess what an executor offers. Two
-implementations:
+of one, so the engine never has to guess what an executor offers. Every
+rank operation goes through ONE call, :meth:`Executor.collective_rpc`
+(``method`` names a :class:`~minivllm.engine.worker.Worker` method, run on
+every rank); the operations themselves are written once, in the base class.
+Two implementations, which differ only in how a call reaches the ranks:
 
-- :class:`UniProcExecutor` (here): the workers live in this process. One rank,
-  or the ref's linear layers that simulate every tensor-parallel rank in one
-  process, and with pipeline parallelism one worker per stage, run one after
-  another (:meth:`UniProcExecutor.execute_model`, the textbook page).
+- :class:`UniProcExecutor` (here): the workers live in this process and a
+  call is a method call on each. One rank, or the ref's linear layers that
+  simulate every tensor-parallel rank in one process, and with pipeline
+  parallelism one worker per stage, run one after another, each handing its
+  output to the next through a :class:`SimulatedStageLink`.
 - :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`: one process
-  per rank, with real collectives. Rank 0's worker lives in this process; how
+  per rank, with real collectives; a call is pickled and broadcast
+  (:mod:`minivllm.engine.wire`). Rank 0's worker lives in this process; how
   the other ranks come to exist is a strategy
   (:mod:`minivllm.engine.rank_starters`): spawned from here (``"mp"``) or
   started by a launcher such as ``torchrun`` (``"external_launcher"``).
@@ -23,7 +28,6 @@ block-table changes, which every rank's worker applies to its own table.
 from __future__ import annotations
 
 import abc
-import time
 from typing import Any
 
 import torch
@@ -60,10 +64,17 @@ class PendingStep:
 class Executor(abc.ABC):
     """Everything the engine uses of whoever runs its workers.
 
+    Every rank operation is one call, :meth:`collective_rpc` (vLLM v1's
+    name): the method of :class:`~minivllm.engine.worker.Worker` to run on
+    every rank, and its arguments. The operations the engine uses
+    (:meth:`execute_model`, :meth:`init_kv_cache`, ...) are written once,
+    here, over it; an executor only says how a call reaches its ranks.
+
     Attributes:
         config: the :class:`~minivllm.engine.config.WorkerConfig` every rank was built from.
         worker: rank 0's worker, in this process (the first stage's, when the
-            stages are simulated here).
+            stages are simulated here), for inspection (tests, benchmarks): the
+            engine reaches the ranks only through :meth:`collective_rpc`.
         tokenizer: the model's tokenizer (None for a directory without one).
         hf_config: the model's HF config.
         max_concurrent_batches: how many steps the engine may keep in flight
@@ -77,31 +88,67 @@ class Executor(abc.ABC):
     max_concurrent_batches: int
 
     @abc.abstractmethod
-    def bytes_per_block(self, block_size: int) -> int:
-        """KV-cache bytes one block costs on one rank (the largest rank's)."""
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       reply: bool = True) -> list[Any]:
+        """Call ``worker.method(*args, **kwargs)`` on every rank (every simulated stage).
 
-    @abc.abstractmethod
-    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int,
-                      max_num_blocks_per_req: int) -> None:
-        """Allocate every rank's KV cache and block table, and build its model runner."""
+        Returns the results, one per rank in rank order (one per stage when
+        the ranks are simulated). ``reply=False`` is for the per-step call,
+        whose outputs travel stage to stage instead: only the results of the
+        workers in this process come back. A method that raises on a rank
+        raises here.
+        """
 
-    @abc.abstractmethod
     def execute_model(self, step_input: StepInput) -> PendingStep:
         """Send one step to every rank; its logits come back through the :class:`PendingStep`.
 
-        At most :attr:`max_concurrent_batches` steps may be pending at once.
+        Every rank updates its block table and runs its layers
+        (:meth:`~minivllm.engine.worker.Worker.execute_model`). At most
+        :attr:`max_concurrent_batches` steps may be pending at once.
         """
+        outs = self.collective_rpc("execute_model", (step_input,), reply=False)
+        if isinstance(outs[-1], IntermediateTensors):  # the last stage is another process
+            return self.logits_later(step_input.logits_indices.numel())
+        return PendingStep(value=outs[-1], done=True)
+
+    def logits_later(self, num_rows: int) -> PendingStep:
+        """A step whose ``num_rows`` logits a later stage in another process sends back."""
+        raise NotImplementedError(f"{type(self).__name__} runs every stage in this process")
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """KV-cache bytes one block costs on one rank (the largest rank's)."""
+        return max(self.collective_rpc("bytes_per_block", (block_size,)))
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
+                      max_num_blocks_per_req: int | None = None) -> None:
+        """Allocate every rank's KV cache (its own layers and KV heads) and block
+        table, and build its model runner."""
+        self.collective_rpc("init_kv_cache",
+                            (num_blocks, block_size, max_num_reqs, max_num_blocks_per_req))
 
     def add_lora(self, lora_request: Any) -> None:
-        """Load a LoRA adapter on every rank (each its shards); ``ValueError`` if it is bad.
-
-        Rank 0 loads first, so a bad adapter is refused before any other rank hears of it.
-        """
-        self.worker.add_lora(lora_request)
+        """Load a LoRA adapter on every rank (each its shards); ``ValueError`` if it is bad."""
+        self.collective_rpc("add_lora", (lora_request,))
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter on every rank."""
-        self.worker.remove_lora(lora_int_id)
+        self.collective_rpc("remove_lora", (lora_int_id,))
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """``[{"weights": bytes, "kv_cache": bytes}, ...]``, one per rank (or simulated stage)."""
+        return self.collective_rpc("memory_bytes")
+
+    def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
+        """Every stage's :class:`~minivllm.pp_stages.StageTiming` records, by (batch, rank).
+
+        One record per rank per micro-batch with tokens: when the rank had
+        its inputs and when its output was ready (``time.time()`` seconds;
+        batches are numbered from 0 per executor). ``clear`` forgets them
+        afterwards. Call it between steps, with no micro-batch in flight.
+        """
+        per_rank = self.collective_rpc("stage_timeline", (clear,))
+        return sorted((t for records in per_rank for t in records),
+                      key=lambda t: (t.batch, t.rank))
 
     @abc.abstractmethod
     def whole_model_worker(self) -> Worker | None:
@@ -110,14 +157,6 @@ class Executor(abc.ABC):
         A draft model runs beside the target in one process and needs it; with
         one process per rank (or per stage) there is none.
         """
-
-    @abc.abstractmethod
-    def memory_per_rank(self) -> list[dict[str, int]]:
-        """``[{"weights": bytes, "kv_cache": bytes}, ...]``, one per rank (or simulated stage)."""
-
-    @abc.abstractmethod
-    def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
-        """Every stage's :class:`~minivllm.pp_stages.StageTiming` records, by (batch, rank)."""
 
     @abc.abstractmethod
     def check_health(self) -> None:
@@ -132,6 +171,36 @@ class Executor(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class SimulatedStageLink:
+    """How simulated pipeline stages, one worker each in this process, hand each
+    other their output: the stage before puts it down, the next one picks it up.
+
+    It has the :class:`~minivllm.engine.stage_link.StageLink` attributes a
+    worker reads, so that :meth:`~minivllm.engine.worker.Worker.execute_model`
+    runs the same with real stages and with simulated ones.
+    """
+
+    def __init__(self, pp_rank: int, tp_size: int, pp_size: int, slot: list) -> None:
+        self.pp_rank, self.tp_rank, self.pp_size = pp_rank, 0, pp_size
+        self.rank = pp_rank * tp_size  # the rank a real stage's tp rank 0 would have
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
+        self._slot = slot  # shared by every stage: at most one output on it
+
+    def recv_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        """The previous stage's output, ``(T, hidden)`` x 2."""
+        return self._slot.pop()
+
+    def send_intermediate(self, tensors: IntermediateTensors) -> None:
+        """This stage's output, for the next one."""
+        self._slot.append(tensors)
+
+    def send_logits(self, logits: torch.Tensor | None, num_rows: int) -> None:
+        """Nothing to send: the last stage's return value is the logits."""
+
+    def wait_sends(self) -> None:
+        """Nothing in flight."""
 
 
 class UniProcExecutor(Executor):
@@ -162,71 +231,26 @@ class UniProcExecutor(Executor):
         #: would, so that the simulation schedules exactly the same batches
         self.max_concurrent_batches = pp
         self.workers = [Worker(config, components, pp_rank=r) for r in range(pp)]
+        if pp > 1:
+            slot: list[IntermediateTensors] = []
+            for r, w in enumerate(self.workers):
+                w.link = SimulatedStageLink(r, tp, pp, slot)
         self.worker = self.workers[0]
         self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
-        self._num_batches = 0
-        self._timeline: list[StageTiming] = []
 
-    def add_lora(self, lora_request: Any) -> None:
-        """Load an adapter into every simulated stage (stage 0 first: a bad one raises there)."""
-        for w in self.workers:
-            w.add_lora(lora_request)
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       reply: bool = True) -> list[Any]:
+        """Call ``method`` on every stage's worker in turn (stage 0 first: what it
+        refuses, no later stage sees).
 
-    def remove_lora(self, lora_int_id: int) -> None:
-        """Forget an adapter in every simulated stage."""
-        for w in self.workers:
-            w.remove_lora(lora_int_id)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """KV-cache bytes per block on one rank (the largest stage's)."""
-        return max(w.bytes_per_block(block_size) for w in self.workers)
-
-    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
-                      max_num_blocks_per_req: int | None = None) -> None:
-        """Allocate every stage's paged KV cache (its own layers) and its block table."""
-        for w in self.workers:
-            w.init_kv_cache(num_blocks, block_size, max_num_reqs, max_num_blocks_per_req)
-
-    def execute_model(self, step_input: StepInput) -> PendingStep:
-        """One step, every stage in turn, handing on what it computed; done at once.
-
-        Each stage's worker applies the step's block-table changes to its own
-        table and builds its own metadata, as a real rank does. Stage 0
-        receives nothing and embeds the tokens; each later stage receives the
-        previous one's :class:`~minivllm.pp_stages.IntermediateTensors`; the
-        last one returns the logits. The timings are recorded as the real
-        ranks record theirs (:meth:`stage_timeline`): here the stages run one
-        after another, so the timeline is all bubble.
+        With simulated stages a step runs every stage one after another, each
+        handing its output to the next, so the timeline is all bubble.
         """
-        model_inputs = [w.prepare_model_input(step_input) for w in self.workers]
-        batch = self._num_batches
-        self._num_batches += 1
-        if step_input.num_tokens == 0:
-            return PendingStep(value=None, done=True)
-        received: IntermediateTensors | None = None  # what the next stage receives
-        for stage, (worker, model_input) in enumerate(zip(self.workers, model_inputs)):
-            start = time.time()
-            sent = worker.run_model(model_input, received)
-            self._timeline.append(StageTiming(batch, stage * self.config.tensor_parallel_size,
-                                              stage, 0, start, time.time()))
-            received = sent  # (T, hidden) x 2 on the wire; logits after the last stage
-        return PendingStep(value=received, done=True)
+        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
 
     def whole_model_worker(self) -> Worker | None:
         """The one worker, when there is one stage (it holds every simulated rank)."""
         return self.worker if len(self.workers) == 1 else None
-
-    def memory_per_rank(self) -> list[dict[str, int]]:
-        """One entry per stage (the simulation holds every tensor-parallel rank of a stage
-        in one worker)."""
-        return [w.memory_bytes() for w in self.workers]
-
-    def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
-        """Every stage's records per micro-batch (see ``MultiprocExecutor.stage_timeline``)."""
-        records = list(self._timeline)
-        if clear:
-            self._timeline = []
-        return records
 
     def check_health(self) -> None:
         """Nothing can die separately here."""

@@ -5,15 +5,17 @@ ranks ``1 .. tp*pp-1`` are other processes, laid out tensor-parallel inner
 (``rank = pp_rank * tp + tp_rank``, as vLLM), each running
 :func:`minivllm.engine.worker.serve`. How they start is a strategy
 (:mod:`minivllm.engine.rank_starters`): spawned from here, or started by a
-launcher such as ``torchrun``. Each step rank 0 sends the
-:class:`~minivllm.metadata.StepInput` (the batch and the block-table changes,
-packed by :mod:`minivllm.engine.wire`) to its stage's peers, and every stage
-forwards it to the next (:mod:`minivllm.engine.stage_link`); every rank
-updates its own block table and runs its layers; the logits come back on
-rank 0 only.
+launcher such as ``torchrun``. Every rank operation is one call,
+:meth:`MultiprocExecutor.collective_rpc`: rank 0 sends the method's name and
+arguments (pickled by :mod:`minivllm.engine.wire`) to its stage's peers,
+every stage forwards it to the next (:mod:`minivllm.engine.stage_link`), and
+every rank calls that method of its worker. Each step is the call
+``execute_model`` with the :class:`~minivllm.metadata.StepInput` (the batch
+and the block-table changes): every rank updates its own block table and
+runs its layers; the logits come back on rank 0 only.
 
 With pipeline parallelism (``pp_size > 1``) a step does not wait for its
-logits: :meth:`MultiprocExecutor.execute_model` runs stage 0's layers, sends
+logits: :meth:`~minivllm.engine.executor.Executor.execute_model` runs stage 0's layers, sends
 the intermediate tensors on and returns a
 :class:`~minivllm.engine.executor.PendingStep`, so the engine can start the
 next micro-batch while later stages work (``max_concurrent_batches =
@@ -25,13 +27,14 @@ Failure handling, so that nothing hangs and nothing is orphaned:
 - spawned ranks are daemons and poll their parent's pid (a watchdog thread):
   if the engine process dies, they exit; they ignore Ctrl-C (the engine
   process handles it and shuts them down: ``atexit``, ``__del__``, or ``with``);
-- rank 0 checks that every spawned rank is alive before each step, and the
-  process groups have a timeout (``WorkerConfig.timeout_s``), so a rank that
-  dies mid-step makes the step raise ``RuntimeError("tensor-parallel worker N
-  died (exitcode ...)")`` within seconds instead of blocking forever;
-- rank 0 applies each step's block-table changes to its own table *before*
-  sending them: a step the table refuses (``ValueError``) is never sent, and
-  the executor refuses every later step, since its ranks' tables may now
+- a thread watches the spawned ranks: the first one that dies is named and
+  every other one is killed at once, so a rank that dies mid-step makes the
+  step raise ``RuntimeError("tensor-parallel rank N (pid P) died: killed by
+  SIGKILL")`` within seconds instead of blocking, and no rank is left
+  waiting on it; rank 0 also checks before each call, and the process groups
+  have a timeout (``WorkerConfig.timeout_s``) for what no exit code shows;
+- a step that rank 0's block table refuses (``ValueError``) raises, and the
+  executor refuses every later step, since its ranks' tables may now
   disagree.
 """
 
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import time
 import weakref
 from typing import Any
 
@@ -52,26 +54,20 @@ from minivllm.engine.executor import Executor, PendingStep
 from minivllm.engine.rank_starters import LaunchedRanks, SpawnedRanks
 from minivllm.engine.ranks import check_model_parallel_sizes, simulates_all_ranks
 from minivllm.engine.stage_link import StageLink
-from minivllm.engine.wire import (
-    CMD_BYTES_PER_BLOCK,
-    CMD_INIT_KV_CACHE,
-    CMD_MEMORY,
-    CMD_REMOVE_LORA,
-    CMD_SHUTDOWN,
-    CMD_TIMELINE,
-    make_header,
-    pack_lora_request,
-    pack_step_input,
-)
 from minivllm.engine.worker import Worker
-from minivllm.metadata import StepInput
-from minivllm.pp_stages import StageTiming
 
 
 def _shutdown_if_alive(ref: weakref.ref) -> None:
     executor = ref()
     if executor is not None:
         executor.shutdown()
+
+
+def _without_frames(error: Exception) -> Exception:
+    """``error`` without its traceback: the frames of a failed collective hold its
+    process group, and so the group's TCP store and port, for as long as the caller
+    keeps the error we raise from it (the message says what happened)."""
+    return error.with_traceback(None)
 
 
 class MultiprocExecutor(Executor):
@@ -112,8 +108,6 @@ class MultiprocExecutor(Executor):
         self._failure: str | None = None
         self._old_threads = torch.get_num_threads()
         self._pending: list[PendingStep] = []  # micro-batches sent, logits not yet back
-        self._num_batches = 0
-        self._timeline: list[StageTiming] = []  # rank 0's own records
         # atexit holds only a weak reference, so that dropping the executor runs __del__.
         self._atexit = functools.partial(_shutdown_if_alive, weakref.ref(self))
         atexit.register(self._atexit)
@@ -126,8 +120,8 @@ class MultiprocExecutor(Executor):
                     config.timeout_s, tp_size=tp, collective_stats=collective_stats),
                 self.check_health)
             self.worker = Worker(config, components, pp_rank=0, device=rank0.device)
-            self.link = StageLink(0, tp, pp, self.worker.hf_config.hidden_size, config.dtype,
-                                  rank0.device)
+            self.link = self.worker.link = StageLink(
+                0, tp, pp, self.worker.hf_config.hidden_size, config.dtype, rank0.device)
             self.ranks.wait_ready(self.check_health)
         except BaseException as e:
             if isinstance(e, RuntimeError) and self._failure is None:
@@ -161,75 +155,57 @@ class MultiprocExecutor(Executor):
             return fn()
         except Exception as e:
             self._failure = self.ranks.explain(e)
-            raise RuntimeError(self._failure) from e
+            raise RuntimeError(self._failure) from _without_frames(e)
 
-    def _send_header(self, *values: int) -> None:
-        self.link.send_header(make_header(*values))
+    # -- the one call ---------------------------------------------------------
 
-    def _require_idle(self, what: str) -> None:
-        if self._pending:
-            raise RuntimeError(f"{what}: {len(self._pending)} micro-batches are still in "
-                               "flight; collect their results first")
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       reply: bool = True) -> list[Any]:
+        """Send the call to every rank, make it on rank 0, and (``reply``) gather the results.
 
-    # -- the executor API -----------------------------------------------------
-
-    def bytes_per_block(self, block_size: int) -> int:
-        """KV-cache bytes per block on one rank (the max over ranks; they are equal)."""
-        def step() -> int:
-            self._send_header(CMD_BYTES_PER_BLOCK, block_size)
-            nbytes = torch.tensor([self.worker.bytes_per_block(block_size)], dtype=torch.int64)
-            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX,
-                            group=distributed.get_world_cpu_group())
-            return int(nbytes)
-
-        return self._run(step)
-
-    def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
-                      max_num_blocks_per_req: int | None = None) -> None:
-        """Allocate ``num_blocks`` blocks of this rank's KV heads, and a block table, on every rank."""
-        sizes = (num_blocks, block_size, max_num_reqs, max_num_blocks_per_req or num_blocks)
-
-        def step() -> None:
-            self._send_header(CMD_INIT_KV_CACHE, *sizes)
-            self.worker.init_kv_cache(*sizes)
-
-        self._run(step)
-
-    def execute_model(self, step_input: StepInput) -> PendingStep:
-        """Send ``step_input``; every rank updates its block table and runs its layers.
-
-        With one stage the returned step is done (its logits are rank 0's,
-        None for a step without tokens). With pipeline parallelism it returns
-        once stage 0 has run and sent its output on; up to
-        ``max_concurrent_batches`` steps may be pending.
+        A call with replies first collects the micro-batches still in flight
+        (the last stage's logits travel on the same group). A method that
+        raises on any rank raises here, rank 0's own error first, and the
+        ranks stay in step. A step (``reply=False``) that raises on rank 0
+        may have left the ranks' block tables apart, so every later call is
+        refused.
         """
         self.check_health()
+        if reply:
+            while self._pending:
+                self.collect_oldest()
+        kwargs = kwargs or {}
+        self._run(lambda: self.link.send_rpc(method, args, kwargs, reply))
         try:
-            # Rank 0 first: a change its table refuses is never sent to the others.
-            model_input = self.worker.prepare_model_input(step_input)
-        except ValueError as e:
-            self._failure = f"parallel step refused, the ranks' block tables may differ: {e}"
-            raise
-        header, payload = pack_step_input(step_input)
-        batch = self._num_batches
-        self._num_batches += 1
+            result, error = getattr(self.worker, method)(*args, **kwargs), None
+        except Exception as e:
+            result, error = None, e
+        if not reply:
+            if error is not None:
+                self._fail(error)
+            return [result]
+        results: list[Any] = [None] * self.config.num_ranks
+        self._run(lambda: dist.gather_object((result, None), results, dst=0,
+                                             group=distributed.get_world_cpu_group()))
+        if error is not None:
+            raise error
+        for rank, (_, message) in enumerate(results):
+            if message is not None:
+                raise RuntimeError(f"rank {rank}: {method} failed: {message}")
+        return [value for value, _ in results]
 
-        def step() -> torch.Tensor | None:
-            self.link.send_header(header)
-            self.link.send_payload(payload)
-            if step_input.num_tokens == 0:
-                return None
-            start = time.time()
-            out = self.worker.run_model(model_input)
-            self._timeline.append(StageTiming(batch, 0, 0, 0, start, time.time()))
-            if self.config.pipeline_parallel_size > 1:
-                self.link.send_intermediate(out)  # on to stage 1; logits come back later
-            return out
+    def _fail(self, error: Exception) -> None:
+        """Rank 0's step raised: refuse what follows, and raise the clearest error."""
+        if isinstance(error, ValueError):  # its block table refused the step's changes
+            self._failure = ("parallel step refused, the ranks' block tables may differ: "
+                             f"{error}")
+            raise error
+        self._failure = self.ranks.explain(error)  # most often: a rank died mid-step
+        raise RuntimeError(self._failure) from _without_frames(error)
 
-        out = self._run(step)
-        if self.config.pipeline_parallel_size == 1 or step_input.num_tokens == 0:
-            return PendingStep(value=out, done=True)
-        pending = PendingStep(self, num_rows=step_input.logits_indices.numel())
+    def logits_later(self, num_rows: int) -> PendingStep:
+        """Stage 0 has run and sent its output on: the logits come back later, in order."""
+        pending = PendingStep(self, num_rows=num_rows)
         self._pending.append(pending)
         return pending
 
@@ -242,64 +218,9 @@ class MultiprocExecutor(Executor):
         pending.done = True
         self._pending.pop(0)
 
-    def add_lora(self, lora_request: Any) -> None:
-        """Load an adapter on rank 0 (a bad one raises ``ValueError`` here, and no other
-        rank hears of it), then on every other rank."""
-        self.check_health()
-        self._require_idle("add_lora")
-        self.worker.add_lora(lora_request)
-        header, payload = pack_lora_request(lora_request)
-
-        def step() -> None:
-            self.link.send_header(header)
-            self.link.send_payload(payload)
-
-        self._run(step)
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        """Forget an adapter on every rank."""
-        self._require_idle("remove_lora")
-        self.worker.remove_lora(lora_int_id)
-        self._run(lambda: self._send_header(CMD_REMOVE_LORA, lora_int_id))
-
     def whole_model_worker(self) -> Worker | None:
         """None: rank 0 holds only its shard (and its stage) of the model."""
         return None
-
-    def memory_per_rank(self) -> list[dict[str, int]]:
-        """``[{"weights": bytes, "kv_cache": bytes}, ...]``, one per rank (rank order)."""
-        self._require_idle("memory_per_rank")
-
-        def step() -> list[dict[str, int]]:
-            self._send_header(CMD_MEMORY)
-            out: list[Any] = [None] * self.config.num_ranks
-            dist.gather_object(self.worker.memory_bytes(), out, dst=0,
-                               group=distributed.get_world_cpu_group())
-            return out
-
-        return self._run(step)
-
-    def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
-        """Every rank's :class:`~minivllm.pp_stages.StageTiming` records, by (batch, rank).
-
-        One record per rank per micro-batch with tokens: when the rank had
-        its inputs and when its output was ready (``time.time()`` seconds;
-        batches are numbered from 0 per executor). ``clear`` forgets them
-        afterwards. Call it between steps, with no micro-batch in flight.
-        """
-        self._require_idle("stage_timeline")
-
-        def step() -> list[StageTiming]:
-            self._send_header(CMD_TIMELINE, int(clear))
-            out: list[Any] = [None] * self.config.num_ranks
-            dist.gather_object(self._timeline, out, dst=0,
-                               group=distributed.get_world_cpu_group())
-            return [t for records in out for t in records]
-
-        records = self._run(step)
-        if clear:
-            self._timeline = []
-        return sorted(records, key=lambda t: (t.batch, t.rank))
 
     def shutdown(self) -> None:
         """Stop the other ranks (politely, then, if this process started them, by force)
@@ -308,11 +229,11 @@ class MultiprocExecutor(Executor):
             return
         atexit.unregister(self._atexit)
         if self._failure is None and hasattr(self, "link") and not self.ranks.dead_ranks():
+            self.ranks.expect_exit()  # the ranks exit now because they are asked to
             try:
                 while self._pending:  # the last stage's sends must be received first
                     self.collect_oldest()
-                self._send_header(CMD_SHUTDOWN)
-                self.link.wait_sends()
+                self.collective_rpc("shutdown", reply=False)
             except Exception:
                 pass  # they are stopped below either way
         self._closed = True

@@ -5,8 +5,11 @@ start, and how their failure is seen, is a strategy:
 
 - :class:`SpawnedRanks` (``distributed_executor_backend="mp"``): this process
   is rank 0 and *spawns* ranks ``1 .. N-1`` on this machine
-  (``multiprocessing`` ``spawn``). It sees their exit codes, so a rank that
-  dies is named, with its exit code, within seconds.
+  (``multiprocessing`` ``spawn``) and watches them from a thread: the first
+  rank that dies is named, with its pid and its exit signal or status, and
+  every other rank is killed at once (as vLLM's executor does), so that no
+  rank waits on a dead one and rank 0's next (or current) collective fails
+  within seconds.
 - :class:`LaunchedRanks` (``"external_launcher"``): a launcher that already
   exists (``torchrun``, Slurm's ``srun``, ``mpirun``) started every rank, on
   one machine or many, and told each who it is through the environment
@@ -18,8 +21,8 @@ start, and how their failure is seen, is a strategy:
   collective.
 
 Either way the other ranks run the same loop,
-:func:`minivllm.engine.worker.serve`, and the steps reach them in the same
-messages (:mod:`minivllm.engine.wire`). This differs from vLLM's
+:func:`minivllm.engine.worker.serve`, and every call reaches them in the same
+message (:mod:`minivllm.engine.wire`). This differs from vLLM's
 ``external_launcher``, where every rank runs a whole engine and the ranks
 agree because scheduling is deterministic: here rank 0's decisions travel
 to the others, exactly as with spawned workers, so ``minivllm serve`` (one
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import queue
 import signal
@@ -54,11 +58,19 @@ from minivllm.pp_stages import rank_coords
 
 
 def describe_rank(rank: int, tp_size: int, pp_size: int) -> str:
-    """``"tensor-parallel worker 1"`` or ``"pipeline-parallel worker 3 (stage 1, tp rank 1)"``."""
+    """``"tensor-parallel rank 1"`` or ``"pipeline-parallel rank 3 (stage 1, tp rank 1)"``."""
     if pp_size == 1:
-        return f"tensor-parallel worker {rank}"
+        return f"tensor-parallel rank {rank}"
     pp_rank, tp_rank = rank_coords(rank, tp_size)
-    return f"pipeline-parallel worker {rank} (stage {pp_rank}, tp rank {tp_rank})"
+    return f"pipeline-parallel rank {rank} (stage {pp_rank}, tp rank {tp_rank})"
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``"killed by SIGKILL"`` for a negative exit code, ``"exited with status 1"`` else."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with status {exitcode}"
+    names = {s.value: s.name for s in signal.Signals}
+    return f"killed by {names.get(-exitcode, f'signal {-exitcode}')}"
 
 
 def exit_if_orphaned(parent_pid: int) -> None:
@@ -121,7 +133,7 @@ def _main_module_hidden() -> Iterator[None]:
 def _spawned_rank_main(rank: int, init_method: str, dist_backend: str, config: WorkerConfig,
                        device: torch.device, components: Any, parent_pid: int,
                        ready: Any) -> None:
-    """Entry point of spawned rank ``rank``: join the group, load the model, serve commands."""
+    """Entry point of spawned rank ``rank``: join the group, load the model, serve calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine process's business
     threading.Thread(target=exit_if_orphaned, args=(parent_pid,), daemon=True).start()
     _enter(device, config.num_ranks)
@@ -132,13 +144,13 @@ def _spawned_rank_main(rank: int, init_method: str, dist_backend: str, config: W
         # `components` arrived pickled as the engine's decided choices and was
         # rebuilt from them: the engine's record, not this process's default.
         worker = Worker(config, components, pp_rank=pp_rank, device=device)
-        link = StageLink(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-                         worker.hf_config.hidden_size, config.dtype, device)
+        worker.link = StageLink(rank, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                worker.hf_config.hidden_size, config.dtype, device)
     except BaseException:
         ready.put(("error", rank, traceback.format_exc()))
         raise
     ready.put(("ready", rank, None))
-    serve(worker, link)
+    serve(worker)
     distributed.destroy_distributed()
 
 
@@ -159,16 +171,19 @@ class SpawnedRanks:
 
     def __init__(self) -> None:
         self.procs: list[Any] = []
+        self.init_method = ""  # where the group meets (tcp://127.0.0.1:port)
         self._config: WorkerConfig | None = None
-        self._ready: Any = None
-        self._ready_ranks: set[int] = set()
+        self._ready, self._ready_ranks = None, set()
+        self._first_death: str | None = None  # set once, by the watch thread
+        self._expect_exit = threading.Event()  # set: exits from now on are the shutdown's
+        self._settled = threading.Event()  # set: the watch thread is done (it stopped the rest)
 
     def start(self, config: WorkerConfig, components: Any) -> RankZero:
         """Spawn every rank but 0 (they join the group and load their shards meanwhile)."""
         self._config = config
         devices = rank_devices(config.device, config.num_ranks)
         dist_backend = "nccl" if devices[0].type == "cuda" else "gloo"
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         build_cpu_ops_first(devices[0], components)
         ctx = mp.get_context("spawn")
         self._ready = ctx.Queue()
@@ -180,8 +195,39 @@ class SpawnedRanks:
             with _main_module_hidden():
                 p.start()
             self.procs.append(p)
+        threading.Thread(target=self._watch, name="minivllm-rank-watch", daemon=True).start()
         _enter(devices[0], config.num_ranks)
         return RankZero(devices[0], init_method, dist_backend)
+
+    def _describe(self, rank: int, proc: Any) -> str:
+        config = self._config
+        name = describe_rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+        return f"{name} (pid {proc.pid}) died: {describe_exit(proc.exitcode)}"
+
+    def _watch(self) -> None:
+        """Watch thread body: at the first rank that exits unasked, name it and kill the
+        rest, which would otherwise wait on it for their group's timeout (rank 0's
+        collectives with them fail as soon as their connections close)."""
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        try:
+            ready: list[Any] = []
+            while not ready and not self._expect_exit.is_set():
+                ready = mp_connection.wait(list(sentinels), timeout=0.2)
+            if self._expect_exit.is_set():
+                return
+            rank, proc = sentinels[ready[0]]
+            proc.join(timeout=1)  # its exit code
+            for other in self.procs:
+                other.kill()  # a no-op for one that has exited
+            for other in self.procs:
+                other.join(timeout=5)  # reaped: no rank is left once the error is raised
+            self._first_death = self._describe(rank, proc)
+        finally:
+            self._settled.set()
+
+    def expect_exit(self) -> None:
+        """From now on the ranks exit because rank 0 asked them to: stop watching."""
+        self._expect_exit.set()
 
     def join_group(self, join: Any, check_health: Any) -> None:
         """Run rank 0's rendezvous while watching the children: one that dies before
@@ -223,11 +269,15 @@ class SpawnedRanks:
             check_health()
 
     def dead_ranks(self) -> list[str]:
-        """The ranks that have exited, with their exit codes."""
-        config = self._config
-        return [f"{describe_rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)} "
-                f"died (exitcode {p.exitcode})"
-                for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        """The rank that died first (the others were killed because of it), or every
+        rank that has exited, each with its pid and exit signal or status."""
+        if all(p.is_alive() for p in self.procs):
+            return []
+        if not self._expect_exit.is_set():  # the watch thread names it and stops the rest
+            self._settled.wait(timeout=5)
+        if self._first_death is not None:
+            return [self._first_death]
+        return [self._describe(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
     def explain(self, error: Exception) -> str:
         """A collective failed: name the rank that died (giving the OS 5 s to report it)."""
@@ -238,7 +288,8 @@ class SpawnedRanks:
         return "; ".join(dead) if dead else f"parallel step failed: {error}"
 
     def stop(self) -> None:
-        """Wait for the ranks to exit (after the shutdown command); force the stragglers."""
+        """Wait for the ranks to exit (after the shutdown call); force the stragglers."""
+        self.expect_exit()
         for p in self.procs:
             p.join(timeout=15)  # a loaded machine may take seconds to tear a rank down
             if p.is_alive():
@@ -335,15 +386,16 @@ def run_launched_rank(env: LauncherEnv, config: WorkerConfig, components: Any) -
                                      config.timeout_s, tp_size=config.tensor_parallel_size)
         pp_rank, _ = rank_coords(env.rank, config.tensor_parallel_size)
         worker = Worker(config, components, pp_rank=pp_rank, device=device)
-        link = StageLink(env.rank, config.tensor_parallel_size, config.pipeline_parallel_size,
-                         worker.hf_config.hidden_size, config.dtype, device)
+        worker.link = StageLink(env.rank, config.tensor_parallel_size,
+                                config.pipeline_parallel_size, worker.hf_config.hidden_size,
+                                config.dtype, device)
     except Exception:
         print(f"minivllm: rank {env.rank} failed to start:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         distributed.destroy_distributed()
         raise SystemExit(1) from None
     try:
-        serve(worker, link)
+        serve(worker)
     except Exception as e:  # a broken collective: rank 0 (or another rank) went away
         print(f"minivllm: rank {env.rank} lost the group (rank 0 or another rank died "
               f"or left without shutting the engine down): {e}", file=sys.stderr, flush=True)
@@ -379,6 +431,9 @@ class LaunchedRanks:
 
     def wait_ready(self, check_health: Any) -> None:
         """The first collective waits for the other ranks; nothing to do here."""
+
+    def expect_exit(self) -> None:
+        """Nothing watched: the launcher owns the processes."""
 
     def dead_ranks(self) -> list[str]:
         """Never known: rank 0 did not start the others."""

@@ -5,10 +5,10 @@ Ranks are laid out tensor-parallel inner, as in vLLM:
 way, stage to stage, each ``tp_rank`` to the same ``tp_rank`` of the next
 stage:
 
-- stage 0's rank 0 (the engine process) broadcasts each header (and the
-  step's payload) to its own stage's tensor-parallel peers, as plain tensor
-  parallelism does, and every rank of a stage *forwards* them to its
-  counterpart in the next stage (``isend``);
+- stage 0's rank 0 (the engine process) broadcasts each call (a header and
+  its payload, :mod:`minivllm.engine.wire`) to its own stage's
+  tensor-parallel peers, as plain tensor parallelism does, and every rank of
+  a stage *forwards* them to its counterpart in the next stage (``isend``);
 - a stage that is not the first receives the previous stage's
   ``hidden_states`` and ``residual`` (:class:`~minivllm.pp_stages.IntermediateTensors`,
   each ``(T, hidden)``, full on every tensor-parallel rank), runs its layers
@@ -24,7 +24,7 @@ batch ``n + 1`` reads them, on every stage. Sends are ``isend``: a stage goes
 on to its next micro-batch while its last output is still on the wire (one
 outstanding send per link, waited for before the next).
 
-Headers and the payload go on gloo groups (the world control group, long
+Headers and payloads go on gloo groups (the world control group, long
 timeout, for a worker's idle wait; the world CPU group for the rest), the
 tensors on the world device group (gloo on a CPU, NCCL on CUDA).
 """
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from minivllm import distributed
-from minivllm.engine.wire import HEADER_LEN
+from minivllm.engine import wire
 from minivllm.pp_stages import IntermediateTensors, global_rank, rank_coords
 
 
@@ -69,39 +69,36 @@ class StageLink:
     def is_last(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    # -- the step message (header, payload) -------------------------------------
+    # -- the call (header, payload) ----------------------------------------------
 
-    def send_header(self, header: torch.Tensor) -> None:
-        """Rank 0: hand ``header`` to stage 0's peers and to the next stage."""
+    def send_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                 reply: bool = True) -> None:
+        """Rank 0: hand one call (:func:`~minivllm.engine.wire.pack_rpc`) to stage 0's
+        peers and to the next stage."""
+        header, payload = wire.pack_rpc(method, args, kwargs, reply)
         if self.tp_size > 1:
             dist.broadcast(header, src=0, group=distributed.get_control_group())
-        self.forward(header, distributed.get_world_control_group())
-
-    def send_payload(self, payload: torch.Tensor) -> None:
-        """Rank 0: the same for a step's payload (short timeout)."""
-        if self.tp_size > 1:
             dist.broadcast(payload, src=0, group=distributed.get_cpu_group())
+        self.forward(header, distributed.get_world_control_group())
         self.forward(payload, distributed.get_world_cpu_group())
 
-    def recv_header(self) -> torch.Tensor:
-        """A worker's idle wait: the next header, from rank 0 or the previous stage, forwarded on."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    def recv_rpc(self) -> tuple[str, tuple, dict, bool]:
+        """A worker's idle wait: the next call, from rank 0 or the previous stage,
+        forwarded on. ``(method, args, kwargs, reply)``."""
+        header = torch.empty(wire.HEADER_LEN, dtype=torch.int64)
         if self.prev is None:
             dist.broadcast(header, src=0, group=distributed.get_control_group())
         else:
             dist.recv(header, src=self.prev, group=distributed.get_world_control_group())
         self.forward(header, distributed.get_world_control_group())
-        return header
-
-    def recv_payload(self, numel: int) -> torch.Tensor:
-        """A step's payload (int64, ``numel`` elements), forwarded on."""
-        payload = torch.empty(numel, dtype=torch.int64)
+        numel, reply = header.tolist()
+        payload = torch.empty(numel, dtype=torch.uint8)
         if self.prev is None:
             dist.broadcast(payload, src=0, group=distributed.get_cpu_group())
         else:
             dist.recv(payload, src=self.prev, group=distributed.get_world_cpu_group())
         self.forward(payload, distributed.get_world_cpu_group())
-        return payload
+        return (*wire.unpack_rpc(payload), bool(reply))
 
     def forward(self, tensor: torch.Tensor, group: object) -> None:
         """Send ``tensor`` to the next stage's same tensor-parallel rank, if there is one."""

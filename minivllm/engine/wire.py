@@ -1,19 +1,23 @@
-"""The tensor-parallel step message: a :class:`~minivllm.metadata.StepInput` as int64 tensors.
+"""The one message rank 0 sends the other ranks: a call, ``(method, args, kwargs)``.
 
-Rank 0 sends every step to ranks ``1 .. tp-1`` with two ``dist.broadcast``
-calls and no pickling: a fixed :data:`HEADER_LEN`-element header that says
-what follows, then ONE ``int64`` payload. Between steps the workers wait on
-the header, so the header also carries the other commands (allocate the KV
-cache, report its size, shut down).
+Every rank operation travels the same way (vLLM v1's ``collective_rpc``):
+rank 0 names a :class:`~minivllm.engine.worker.Worker` method and its
+arguments, every other rank's loop (:func:`~minivllm.engine.worker.serve`)
+calls ``getattr(worker, method)(*args, **kwargs)``. A message is two
+``dist.broadcast`` calls: a fixed :data:`HEADER_LEN`-element int64 header
+(the payload's length, and whether rank 0 waits for replies), then ONE
+``uint8`` payload, the pickled call (:func:`pack_rpc`).
 
-What a step sends is the batch (token ids, positions, lengths, the rows to
-sample) and the *changes* to the block tables, never the tables themselves:
-each rank keeps its own table and applies them
+Most arguments are small Python values; the one that travels every step, a
+:class:`~minivllm.metadata.StepInput`, is pickled in its own compact form
+(:func:`pack_step_input`): the batch (token ids, positions, lengths, the
+rows to sample) and the *changes* to the block tables, never the tables
+themselves: each rank keeps its own table and applies them
 (:meth:`~minivllm.engine.worker.Worker.update_block_tables`). Request ids are
 strings; they travel as their UTF-8 bytes, one byte per int64.
 
-Payload of ``CMD_EXECUTE``, end to end (``S`` scheduled requests, ``R``
-removed ones, ``C`` block copies)::
+A step, end to end (``S`` scheduled requests, ``R`` removed ones, ``C``
+block copies)::
 
     input_ids (T) | positions (T) | logits_indices (L)
     | C | copies (2C: src, dst, ...) | has_lora | lora ids (S, only if has_lora)
@@ -24,31 +28,54 @@ removed ones, ``C`` block copies)::
 
 from __future__ import annotations
 
-from typing import Any
+import copyreg
+import io
+import pickle
 
 import torch
 
 from minivllm.metadata import StepInput
 
-HEADER_LEN = 8
-CMD_EXECUTE, CMD_INIT_KV_CACHE, CMD_BYTES_PER_BLOCK, CMD_SHUTDOWN = 1, 2, 3, 4
-CMD_MEMORY, CMD_TIMELINE = 5, 6  # report bytes held / per-micro-batch stage timings
-CMD_ADD_LORA, CMD_REMOVE_LORA = 7, 8  # load an adapter (its name and path follow) / drop one
+HEADER_LEN = 2  # [payload bytes, reply (0 or 1)]
+STEP_TAG = 0x53544550  # "STEP": the first word of pack_step_input's header, checked on unpack
 
 
-def make_header(*values: int) -> torch.Tensor:
-    """A ``(HEADER_LEN,)`` int64 header: ``values`` then zeros."""
-    if len(values) > HEADER_LEN:
-        raise ValueError(f"a header holds at most {HEADER_LEN} values, got {len(values)}")
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    return header
+def pack_rpc(method: str, args: tuple = (), kwargs: dict | None = None,
+             reply: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header (HEADER_LEN,) int64, payload (n,) uint8)``: the call, pickled.
+
+    ``reply``: whether every rank sends its result (or its error) back to rank 0.
+    """
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = copyreg.dispatch_table.copy()
+    pickler.dispatch_table[StepInput] = _reduce_step_input
+    pickler.dump((method, tuple(args), dict(kwargs or {})))
+    payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    header = torch.tensor([payload.numel(), int(reply)], dtype=torch.int64)
+    return header, payload
+
+
+def unpack_rpc(payload: torch.Tensor) -> tuple[str, tuple, dict]:
+    """Invert :func:`pack_rpc`: ``(method, args, kwargs)``."""
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def _reduce_step_input(step: StepInput) -> tuple:
+    """Pickle a step as its compact int64 message (not as a dataclass of tensors)."""
+    header, payload = pack_step_input(step)
+    return _step_from_bytes, (header.tolist(), payload.numpy().tobytes())
+
+
+def _step_from_bytes(header: list[int], data: bytes) -> StepInput:
+    payload = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    return unpack_step_input(torch.tensor(header, dtype=torch.int64), payload)
 
 
 def pack_step_input(step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header (8,), payload (n,))``, both int64 on the CPU.
 
-    header = ``[CMD_EXECUTE, T, L, S, R, B, id_bytes, n]`` (see the module
+    header = ``[STEP_TAG, T, L, S, R, B, id_bytes, n]`` (see the module
     docstring for the payload).
     """
     ids = [*step.req_ids, *step.removed_req_ids]
@@ -67,15 +94,17 @@ def pack_step_input(step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
     payload = torch.cat([step.input_ids, step.positions, step.logits_indices,
                          torch.tensor(host, dtype=torch.int64)])
     num_blocks = sum(len(b) for b in step.new_block_ids)
-    header = make_header(CMD_EXECUTE, step.input_ids.numel(), step.logits_indices.numel(),
-                         len(step.req_ids), len(step.removed_req_ids), num_blocks,
-                         len(id_bytes), payload.numel())
+    header = torch.tensor([STEP_TAG, step.input_ids.numel(), step.logits_indices.numel(),
+                           len(step.req_ids), len(step.removed_req_ids), num_blocks,
+                           len(id_bytes), payload.numel()], dtype=torch.int64)
     return header, payload
 
 
 def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
     """Invert :func:`pack_step_input` (the tensors stay on the CPU)."""
-    _, T, L, S, R, B, nbytes, _ = header.tolist()
+    tag, T, L, S, R, B, nbytes, _ = header.tolist()
+    if tag != STEP_TAG:
+        raise ValueError(f"not a step message: header starts with {tag:#x}, not {STEP_TAG:#x}")
     input_ids, positions, logits_indices, host = payload.split([T, T, L, payload.numel() - 2 * T - L])
     host = host.tolist()  # the payload is on the CPU: these host copies are free
     num_copies = host[0]
@@ -113,22 +142,3 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
         blocks_to_copy=copies,
         lora_ids=lora_ids,
     )
-
-
-def pack_lora_request(lora_request: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(header, payload)`` of ``CMD_ADD_LORA``: the id in the header, then the name and
-    the path as UTF-8 bytes (one byte per int64), name first (header: their lengths)."""
-    name, path = lora_request.lora_name.encode(), lora_request.lora_path.encode()
-    payload = torch.tensor([*name, *path], dtype=torch.int64)
-    # The payload's length goes last, where every receiver reads it (as CMD_EXECUTE's).
-    return make_header(CMD_ADD_LORA, lora_request.lora_int_id, len(name), len(path),
-                       0, 0, 0, payload.numel()), payload
-
-
-def unpack_lora_request(header: torch.Tensor, payload: torch.Tensor) -> Any:
-    """Invert :func:`pack_lora_request`."""
-    from minivllm.lora.request import LoRARequest
-
-    _, lora_int_id, num_name, _ = header.tolist()[:4]
-    data = bytes(payload.tolist())
-    return LoRARequest(data[:num_name].decode(), lora_int_id, data[num_name:].decode())

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from minivllm import backend, distributed, kv_quant
-from minivllm.engine import wire
 from minivllm.engine.config import WorkerConfig
 from minivllm.metadata import ModelInput, StepInput
 from minivllm.pp_stages import IntermediateTensors, StageTiming
@@ -81,6 +80,11 @@ class Worker:
         self.lora_manager = self.lora_context = None
         if config.lora_config is not None:
             self._init_lora(config.lora_config)
+        #: how this stage reaches its neighbours (a StageLink between processes, a
+        #: SimulatedStageLink in one), or None: one stage, nothing to hand on
+        self.link: Any = None
+        self.num_batches = 0  # steps seen, with or without tokens: the micro-batch number
+        self.timeline: list[StageTiming] = []  # when this stage ran each micro-batch
 
     # -- LoRA adapters ------------------------------------------------------------------
 
@@ -212,16 +216,47 @@ class Worker:
             model_input = dataclasses.replace(model_input, lora=lora)
         return model_input
 
-    def execute_model(self, step_input: StepInput) -> torch.Tensor | None:
-        """One engine step on this rank: ``(num_sampled, vocab)`` float32 logits.
+    def execute_model(self, step_input: StepInput
+                      ) -> torch.Tensor | IntermediateTensors | None:
+        """One engine step on this rank: its block table, then its stage's layers.
 
-        None when the step only changes the block table (no tokens), and on
-        tensor-parallel ranks other than 0 (the logits are gathered to rank 0).
+        On a pipeline stage after the first it receives the previous stage's
+        :class:`~minivllm.pp_stages.IntermediateTensors` through :attr:`link`;
+        a stage before the last sends its own on (and returns them); the last
+        returns the ``(num_sampled, vocab)`` float32 logits (with real stages
+        its tp rank 0 also sends them back to rank 0). None for a step without
+        tokens (it only changes the block table).
         """
         model_input = self.prepare_model_input(step_input)
+        batch, link = self.num_batches, self.link
+        self.num_batches += 1
         if step_input.num_tokens == 0:
             return None
-        return self.run_model(model_input)
+        received = None
+        if link is not None and not link.is_first:
+            received = link.recv_intermediate(step_input.num_tokens)
+        start = time.time()
+        out = self.run_model(model_input, received)
+        rank, pp_rank, tp_rank = (0, 0, 0) if link is None else (link.rank, link.pp_rank,
+                                                                 link.tp_rank)
+        self.timeline.append(StageTiming(batch, rank, pp_rank, tp_rank, start, time.time()))
+        if link is not None and not link.is_last:
+            link.send_intermediate(out)  # (T, hidden) x 2, on to the next stage
+        elif link is not None and link.pp_size > 1:
+            link.send_logits(out, step_input.logits_indices.numel())
+        return out
+
+    def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
+        """This stage's :class:`~minivllm.pp_stages.StageTiming` records (``clear``: then forget them)."""
+        records = self.timeline
+        if clear:
+            self.timeline = []
+        return list(records)
+
+    def shutdown(self) -> None:
+        """Finish this rank's sends in flight (the last thing a rank does)."""
+        if self.link is not None:
+            self.link.wait_sends()
 
     @torch.inference_mode()
     def run_model(self, model_input: ModelInput,
@@ -241,54 +276,27 @@ class Worker:
         return self.model.compute_logits(out[model_input.logits_indices])
 
 
-def serve(worker: Worker, link: Any) -> None:
-    """A worker rank's loop (every rank but 0): wait for a command, act on it, until shutdown.
+def serve(worker: Worker) -> None:
+    """A worker rank's loop (every rank but 0): receive a call, make it, until ``shutdown``.
 
-    ``link`` is the rank's :class:`~minivllm.engine.stage_link.StageLink`. A
-    step (``CMD_EXECUTE``): the payload, then (on a later stage) the previous
-    stage's intermediate tensors; this stage's layers; then its output on to
-    the next stage, or (the last stage) the logits back to rank 0. The other
-    commands are the executor's set-up and queries, each a collective every
-    rank joins.
+    Every call is ``getattr(worker, method)(*args, **kwargs)``, received
+    through the worker's :class:`~minivllm.engine.stage_link.StageLink`
+    (:func:`~minivllm.engine.wire.pack_rpc`). A call that rank 0 waits on
+    (``reply``) sends back ``(result, error)`` in one ``gather_object``, so a
+    method that raises on a rank raises on rank 0 too and the loop goes on;
+    a call without replies (a step) that raises ends this rank, which rank 0
+    sees as a dead rank.
     """
-    batch, timeline = 0, []  # this rank's StageTiming records
+    link = worker.link
     while True:
-        header = link.recv_header()
-        cmd = int(header[0])
-        if cmd == wire.CMD_EXECUTE:
-            step_input = wire.unpack_step_input(header, link.recv_payload(int(header[-1])))
-            model_input = worker.prepare_model_input(step_input)
-            if step_input.num_tokens:
-                received = None if link.is_first else link.recv_intermediate(
-                    step_input.num_tokens)
-                start = time.time()
-                out = worker.run_model(model_input, received)
-                timeline.append(StageTiming(batch, link.rank, link.pp_rank, link.tp_rank,
-                                            start, time.time()))
-                if not link.is_last:
-                    link.send_intermediate(out)
-                elif link.pp_size > 1:
-                    link.send_logits(out, step_input.logits_indices.numel())
-            batch += 1
-        elif cmd == wire.CMD_INIT_KV_CACHE:
-            worker.init_kv_cache(*(int(v) for v in header[1:5]))
-        elif cmd == wire.CMD_BYTES_PER_BLOCK:
-            nbytes = torch.tensor([worker.bytes_per_block(int(header[1]))], dtype=torch.int64)
-            dist.all_reduce(nbytes, op=dist.ReduceOp.MAX,
-                            group=distributed.get_world_cpu_group())
-        elif cmd == wire.CMD_MEMORY:
-            dist.gather_object(worker.memory_bytes(), None, dst=0,
-                               group=distributed.get_world_cpu_group())
-        elif cmd == wire.CMD_TIMELINE:
-            dist.gather_object(timeline, None, dst=0, group=distributed.get_world_cpu_group())
-            if int(header[1]):
-                timeline = []
-        elif cmd == wire.CMD_ADD_LORA:
-            worker.add_lora(wire.unpack_lora_request(header, link.recv_payload(int(header[-1]))))
-        elif cmd == wire.CMD_REMOVE_LORA:
-            worker.remove_lora(int(header[1]))
-        elif cmd == wire.CMD_SHUTDOWN:
-            link.wait_sends()
-            return
+        method, args, kwargs, reply = link.recv_rpc()
+        if not reply:
+            getattr(worker, method)(*args, **kwargs)
         else:
-            raise RuntimeError(f"parallel worker: unknown command {cmd}")
+            try:
+                result = (getattr(worker, method)(*args, **kwargs), None)
+            except Exception as e:  # handed to rank 0, which raises it
+                result = (None, f"{type(e).__name__}: {e}")
+            dist.gather_object(result, None, dst=0, group=distributed.get_world_cpu_group())
+        if method == "shutdown":
+            return
