@@ -56,7 +56,6 @@ from minivllm.engine.sequence_groups import SequenceGroups
 from minivllm.engine.structured import StructuredOutputs
 from minivllm.metadata import SchedulerOutput, StepInput
 from minivllm.model.generation_config import load_generation_defaults
-from minivllm.model.loader import resolve_model_path
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.profiler import op_range
 from minivllm.request import Request, RequestStatus
@@ -119,8 +118,7 @@ class LLMEngine:
             spec, make_proposer(spec, self.components, self.executor), max_model_len)
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         # The model's recommended sampling defaults and its other EOS ids (--generation-config).
-        self.generation = load_generation_defaults(config.generation_config,
-                                                   resolve_model_path(config.model))
+        self.generation = load_generation_defaults(config.generation_config, config.model)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               eos_token_id, self.sampler, self.generation,
                                               config.max_logprobs)

@@ -117,13 +117,16 @@ def read_generation_config(path: Path) -> GenerationDefaults:
     return GenerationDefaults(sampling, tuple(dict.fromkeys(eos)), path)
 
 
-def load_generation_defaults(value: str | Path, model_path: Path) -> GenerationDefaults:
-    """The defaults ``--generation-config value`` means for the model at ``model_path``
-    (a folder, or a ``.gguf`` file whose folder is read)."""
+def load_generation_defaults(value: str | Path, model: str | Path) -> GenerationDefaults:
+    """The defaults ``--generation-config value`` means for ``model`` (a registered name,
+    a folder, or a ``.gguf`` file whose folder is read)."""
     check_generation_config(value)
     if value == "vllm":
         return GenerationDefaults()
     if value == "auto":
+        from minivllm.model.loader import resolve_model_path
+
+        model_path = resolve_model_path(model)
         folder = model_path if model_path.is_dir() else model_path.parent
     else:
         folder = Path(value).expanduser()
