@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -198,8 +199,8 @@ def read_config(path: Path) -> dict:
                          f"directory)")
     try:
         return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -209,10 +210,15 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if not file.is_file():
             continue
         if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
+            from minivllm.model.loader import open_safetensors  # a cut-off file: named
 
-            return load_file(str(file))
-        return torch.load(file, map_location="cpu", weights_only=True)
+            with open_safetensors(file) as f:
+                return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            raise ValueError(f"{file}: not a readable PyTorch file (truncated or "
+                             f"corrupt?): {e}") from None
     raise ValueError(f"lora_path {str(path)!r} holds no adapter weights (looked for "
                      f"{' or '.join(WEIGHT_FILES)})")
 
@@ -249,10 +255,22 @@ def load_adapter(lora_request: LoRARequest, hf_config: Any, max_lora_rank: int,
     """Load and check the PEFT adapter at ``lora_request.lora_path`` for a model (its HF config).
 
     Returns a :class:`LoRAModel` on the CPU with its A and B in ``dtype``. Raises
-    ``ValueError`` naming the problem (see the module docstring); nothing about
-    the adapter is checked later.
+    ``ValueError`` naming the adapter's path and the problem (see the module
+    docstring); nothing about the adapter is checked later.
     """
     path = Path(lora_request.lora_path)
+    try:
+        return _read_adapter(path, lora_request, hf_config, max_lora_rank, dtype)
+    except ValueError as e:
+        # Named here, once, whichever check below refused it: a server loads many adapters.
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"LoRA adapter {str(path)!r}: {e}") from None
+
+
+def _read_adapter(path: Path, lora_request: LoRARequest, hf_config: Any, max_lora_rank: int,
+                  dtype: torch.dtype) -> LoRAModel:
+    """:func:`load_adapter`'s reading and checking, each refusal a bare ``ValueError``."""
     if not path.is_dir():
         raise ValueError(f"lora_path {str(path)!r} does not exist or is not a directory "
                          f"(lora_name={lora_request.lora_name!r})")
