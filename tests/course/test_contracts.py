@@ -130,7 +130,7 @@ def test_a_kv_cache_manager_from_an_older_handout_serves_the_engine(tiny_model_d
     from minivllm import LLM
 
     path = str(tiny_model_dir("llama"))
-    kw = dict(dtype="float32", device="cpu", max_model_len=64, block_size=4,
+    kw = dict(dtype="float32", device="cpu", max_model_len=48, block_size=4,
               num_gpu_blocks_override=12)  # small: allocation and preemption both happen
     expect = _generate(LLM(path, backend="ref", **kw))
     assert _generate(LLM(path, backend={"kv_cache_manager": "older_kv_manager"}, **kw)) == expect
