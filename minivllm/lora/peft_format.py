@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from minivllm.lora.models import (
     SUPPORTED_MODULES,
@@ -209,16 +210,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         file = path / name
         if not file.is_file():
             continue
-        if name.endswith(".safetensors"):
-            from minivllm.model.loader import open_safetensors  # a cut-off file: named
-
-            with open_safetensors(file) as f:
-                return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        # The libraries' own errors for a cut-off or corrupt file do not say which file.
         try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file))
             return torch.load(file, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
-            raise ValueError(f"{file}: not a readable PyTorch file (truncated or "
-                             f"corrupt?): {e}") from None
+        except (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            raise ValueError(f"{file}: not a readable {name.rsplit('.', 1)[1]} file "
+                             f"(truncated or corrupt?): {e}") from None
     raise ValueError(f"lora_path {str(path)!r} holds no adapter weights (looked for "
                      f"{' or '.join(WEIGHT_FILES)})")
 

@@ -150,7 +150,7 @@ def iterate_gguf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.
 
 def gguf_tokenizer(path: str | Path) -> Any:
     """The tokenizer (with chat template and bos/eos) stored in a GGUF file's metadata."""
-    from minivllm.model.loader import load_tokenizer
+    from minivllm.model.tokenizer import load_tokenizer
 
     path = Path(path)
     return load_tokenizer(path.parent, gguf_file=path.name)

@@ -29,11 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from minivllm.model.architectures import get_model_class
 from minivllm.model.llama import LlamaForCausalLM
-
-#: Any of these in a model directory means it ships a tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-#: The files that hold the vocabulary itself (``tokenizer_config.json`` alone does not).
-VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+from minivllm.model.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -112,29 +108,6 @@ def check_safetensors(model_dir: str | Path) -> None:
     for file in _safetensors_files(Path(model_dir)):
         with open_safetensors(file):
             pass
-
-
-def load_tokenizer(model_dir: Path, gguf_file: str | None = None) -> Any:
-    """transformers' tokenizer of ``model_dir`` (or of ``gguf_file`` in it).
-
-    Raises ``ValueError`` naming the directory (or file) and the problem when
-    the tokenizer files are incomplete or unreadable: transformers' own errors
-    (any of a handful of types) rarely say which file was wrong.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), gguf_file=gguf_file,
-                                             local_files_only=True)
-    except Exception as e:  # noqa: BLE001  (json, OSError, ValueError, KeyError, ...)
-        if gguf_file is not None:
-            raise ValueError(f"{model_dir / gguf_file}: cannot load the tokenizer in its "
-                             f"metadata: {type(e).__name__}: {e}") from None
-        present = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
-        hint = "" if set(present) & set(VOCAB_FILES) else (
-            f" ({' / '.join(VOCAB_FILES)} missing?)")
-        raise ValueError(f"{model_dir}: cannot load the tokenizer from {present}{hint}: "
-                         f"{type(e).__name__}: {e}") from None
 
 
 def iterate_safetensors(model_dir: str | Path,
