@@ -45,7 +45,7 @@ def test_num_gpu_blocks_override_one_short_is_refused_with_the_numbers(tiny_mode
         make(path, num_gpu_blocks_override=NEEDED - 1)
     msg = str(info.value)
     for part in (f"max_model_len={MAX_MODEL_LEN}", f"needs {NEEDED} blocks of {BLOCK_SIZE}",
-                 f"has {NEEDED - 1}", f"num_gpu_blocks_override={NEEDED}",
+                 f"has {NEEDED - 1}", f"raise num_gpu_blocks_override to {NEEDED}",
                  f"lower max_model_len to {(NEEDED - 1) * BLOCK_SIZE}"):
         assert part in msg, msg
 
@@ -67,7 +67,7 @@ def test_kv_cache_memory_one_byte_short_names_the_bytes_needed(tiny_model_dir):
         make(path, kv_cache_memory=NEEDED * block_bytes - 1)
     msg = str(info.value)
     for part in (f"needs {NEEDED} blocks", f"({NEEDED * block_bytes} bytes)",
-                 f"has {NEEDED - 1}", f"kv_cache_memory={NEEDED * block_bytes}"):
+                 f"has {NEEDED - 1}", f"raise kv_cache_memory to {NEEDED * block_bytes} bytes"):
         assert part in msg, msg
     llm = make(path, kv_cache_memory=NEEDED * block_bytes)
     assert llm.llm_engine.cache_config.num_blocks == NEEDED

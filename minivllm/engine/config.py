@@ -367,11 +367,11 @@ def check_kv_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: i
     ahead = (f" + {num_lookahead_tokens} lookahead slots (num_speculative_tokens)"
              if num_lookahead_tokens else "")
     if config.num_gpu_blocks_override is not None:
-        knob = f"num_gpu_blocks_override={need}"
+        knob = f"num_gpu_blocks_override to {need}"
     elif device.type == "cuda":
         knob = "gpu_memory_utilization"
     else:
-        knob = f"kv_cache_memory={need * bytes_per_block} (bytes)"
+        knob = f"kv_cache_memory to {need * bytes_per_block} bytes"
     num_blocks = max(num_blocks, 0)  # a budget below one block: none at all
     longest = num_blocks * block_size - num_lookahead_tokens
     lower = f", or lower max_model_len to {longest}" if longest >= 1 else ""
