@@ -51,8 +51,25 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 256, seed: int = 0):
     return [[rng.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
+def pool_tokens(kw: dict) -> int:
+    """Tokens one request may have in the pool ``kw`` (engine arguments) sizes; large if
+    the pool is not fixed by ``num_gpu_blocks_override``."""
+    blocks = kw.get("num_gpu_blocks_override")
+    if blocks is None:
+        return 1 << 30
+    spec = kw.get("speculative_config") or {}
+    return blocks * kw.get("block_size", 16) - spec.get("num_speculative_tokens", 0)
+
+
 def make_llm(path, **kw) -> LLM:
-    kw.setdefault("max_model_len", 256)
+    """An LLM on the CPU in float32; max_model_len 256, or what a small pool holds.
+
+    A test that forces preemption with a small ``num_gpu_blocks_override``
+    gets the longest ``max_model_len`` that pool holds (minus a draft model's
+    lookahead): the engine refuses at start a pool too small for one request
+    of ``max_model_len`` (engine.config.check_kv_pool_fits).
+    """
+    kw.setdefault("max_model_len", min(256, pool_tokens(kw)))
     kw.setdefault("dtype", "float32")
     kw.setdefault("device", "cpu")
     return LLM(str(path), **kw)

@@ -118,7 +118,8 @@ CASES = [
     ("llama", {}, 16, {}),
     ("llama", {}, 5, {"max_num_batched_tokens": 7}),
     ("qwen2", {"tie_word_embeddings": False}, 3,
-     {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 16}),
+     {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 16,
+      "max_model_len": 60}),  # all the pool holds: 20 blocks of 3
     ("qwen3", {}, 5, {"max_num_seqs": 2}),
 ]
 

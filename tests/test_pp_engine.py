@@ -139,14 +139,15 @@ def test_a_full_pool_never_preempts_a_request_in_flight(impl: str) -> None:
 
 # (arch, config overrides, tp, pp, engine overrides): 5 layers never divide by 2 or 3.
 # Chunked prefill from a small token budget, preemption from a small pool, prefix
-# caching from prompts that share a prefix.
+# caching from prompts that share a prefix. A small pool's max_model_len is what it holds
+# (14 blocks of 4): the engine refuses a pool too small for one max-length request.
 CASES = [
     pytest.param("llama", {}, 1, 2, dict(max_num_batched_tokens=12), id="llama-gqa-pp2"),
     pytest.param("qwen2", dict(tie_word_embeddings=True), 1, 3,
-                 dict(max_num_batched_tokens=16, num_gpu_blocks_override=14),
+                 dict(max_num_batched_tokens=16, num_gpu_blocks_override=14, max_model_len=56),
                  id="qwen2-tied-pp3"),
-    pytest.param("llama", {}, 2, 2, dict(max_num_batched_tokens=12, num_gpu_blocks_override=14),
-                 id="llama-tp2xpp2"),
+    pytest.param("llama", {}, 2, 2, dict(max_num_batched_tokens=12, num_gpu_blocks_override=14,
+                                         max_model_len=56), id="llama-tp2xpp2"),
 ]
 
 
@@ -161,8 +162,8 @@ def test_llm_pp_greedy_matches_transformers(tiny_model_dir, arch, overrides, tp,
     shared = random_prompts(1, [9], seed=11)[0]
     prompts = [shared + p for p in random_prompts(4, [3, 14, 1, 6], seed=pp)] + [shared]
     llm = LLM(str(path), backend=spec_with_ref_kernels(), tensor_parallel_size=tp,
-              pipeline_parallel_size=pp, dtype="float32", device="cpu", max_model_len=128,
-              block_size=BLOCK_SIZE, **engine_kw)
+              pipeline_parallel_size=pp, dtype="float32", device="cpu",
+              block_size=BLOCK_SIZE, **{"max_model_len": 128, **engine_kw})
     executor = llm.llm_engine.executor
     procs = list(executor.procs) if isinstance(executor, MultiprocExecutor) else []
     try:

@@ -257,7 +257,7 @@ def test_preemption_chunked_prefill_and_prefix_caching_keep_the_grammar_state(ti
     want = run(base, prompts, params)
     base.shutdown()
     _check_mixed(want)
-    for kw in (dict(num_gpu_blocks_override=40, max_num_batched_tokens=64),
+    for kw in (dict(num_gpu_blocks_override=40, max_num_batched_tokens=64, max_model_len=160),
                dict(max_num_batched_tokens=7), dict(enable_prefix_caching=False)):
         llm = make_llm(path, block_size=4, **kw)
         engine = llm.llm_engine

@@ -34,8 +34,8 @@ def _kernels_ref() -> dict[str, str]:
 def test_worker_table_follows_the_scheduler(tiny_model_dir) -> None:
     engine = LLMEngine(EngineConfig(
         model=str(tiny_model_dir("llama")), backend=_kernels_ref(), dtype="float32",
-        device="cpu", block_size=BLOCK_SIZE, max_model_len=64, max_num_seqs=4,
-        max_num_batched_tokens=12, num_gpu_blocks_override=9,
+        device="cpu", block_size=BLOCK_SIZE, max_model_len=36, max_num_seqs=4,
+        max_num_batched_tokens=12, num_gpu_blocks_override=9,  # 36 tokens: all it holds
     ))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 1], [40, 41], [3] * 11, [9]]
     for i, p in enumerate(prompts):

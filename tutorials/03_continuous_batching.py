@@ -30,7 +30,7 @@ from minivllm import LLM, SamplingParams
 llm = LLM("smollm2", dtype="float32", device="cpu", block_size=8,
           max_num_batched_tokens=48,     # small budget: long prompts are chunked
           num_gpu_blocks_override=40,    # 40 blocks x 8 tokens = 320 tokens of KV cache
-          max_model_len=512)
+          max_model_len=320)             # one request may fill the pool, no more
 engine = llm.llm_engine
 tok = llm.get_tokenizer()
 

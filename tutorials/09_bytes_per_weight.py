@@ -187,7 +187,7 @@ runs = [("float32", "float32", None, "float32"), ("bfloat16", "bfloat16", None, 
 decode_tok_s, quality = {}, {}
 prompt = {"prompt_token_ids": list(range(100, 164))}
 for name, dtype, q, _ in runs:
-    llm = LLM("smollm2", dtype=dtype, quantization=q, max_num_seqs=1,
+    llm = LLM("smollm2", dtype=dtype, quantization=q, max_num_seqs=1, max_model_len=1024,
               kv_cache_memory=64 << 20)  # one short sequence: a small KV pool
 
     def gen(n, llm=llm):

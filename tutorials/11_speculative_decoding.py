@@ -317,7 +317,7 @@ runs += [("self-spec L=28 k=3", {"method": "draft_model", "num_speculative_token
 measured = {}
 for name, config, k in runs:
     llm = LLM("smollm2", dtype="float32", max_num_seqs=1, kv_cache_memory=64 << 20,
-              speculative_config=config)
+              max_model_len=1024, speculative_config=config)  # the pool holds 1456 tokens
     chat = [{"role": "user", "content": "Repeat this passage exactly, word for word:\n\n"
              + passage}]
     prompt_ids = llm.get_tokenizer().apply_chat_template(chat, add_generation_prompt=True,

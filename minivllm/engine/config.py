@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from minivllm import backend
-from minivllm.config import _require, check_block_size, check_chunked_prefill
+from minivllm.config import _require, cdiv, check_block_size, check_chunked_prefill
 from minivllm.dtype import DTYPES
 from minivllm.kv_quant import check_kv_cache_dtype
 from minivllm.lora.manager import LoRAConfig
@@ -322,31 +322,72 @@ class EngineConfig:
             timeout_s=float(self.distributed_timeout_s), lora_config=self.lora_config())
 
 
-def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
+                  max_model_len: int, num_lookahead_tokens: int = 0) -> int:
     """How many KV blocks the memory budget holds (``bytes_per_block``: one rank's block).
 
     On a CPU the budget is ``kv_cache_memory``; on CUDA it is the engine's
     share of the GPU (``gpu_memory_utilization``) minus what it already holds
     (the weights), never more than is free, minus room for activations.
-    ``num_gpu_blocks_override`` fixes the number instead.
+    ``num_gpu_blocks_override`` fixes the number instead. Either way the pool
+    must hold one request of ``max_model_len`` tokens (:func:`check_kv_pool_fits`).
     """
     if config.num_gpu_blocks_override is not None:
         need = config.num_gpu_blocks_override * bytes_per_block
         have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else physical_memory()
         _require(need <= have, "num_gpu_blocks_override", config.num_gpu_blocks_override,
                  f"at most {have // bytes_per_block} here (blocks of {bytes_per_block} bytes)")
-        return config.num_gpu_blocks_override
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        ours = torch.cuda.memory_reserved(device)
-        activation_reserve = 2 << 30
-        budget = min(int(total * config.gpu_memory_utilization) - ours, free) \
-            - activation_reserve
+        num_blocks = config.num_gpu_blocks_override
     else:
-        budget = config.kv_cache_memory
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"the KV-cache budget ({budget} bytes) is smaller than one block "
-            f"({bytes_per_block} bytes); raise kv_cache_memory / gpu_memory_utilization")
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            ours = torch.cuda.memory_reserved(device)
+            activation_reserve = 2 << 30
+            budget = min(int(total * config.gpu_memory_utilization) - ours, free) \
+                - activation_reserve
+        else:
+            budget = config.kv_cache_memory
+        num_blocks = budget // bytes_per_block
+    check_kv_pool_fits(config, num_blocks, bytes_per_block, device, max_model_len,
+                       num_lookahead_tokens)
     return num_blocks
+
+
+def check_kv_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int,
+                       device: torch.device, max_model_len: int,
+                       num_lookahead_tokens: int = 0) -> None:
+    """Refuse, at engine start, a KV pool that cannot hold one request of ``max_model_len``.
+
+    One such request needs ``ceil((max_model_len + num_lookahead_tokens) /
+    block_size)`` blocks: the scheduler's own rule for a request alone
+    (:meth:`minivllm.ref.scheduler.Scheduler.add_request`), with the slots a
+    draft model writes ahead (``num_speculative_tokens``; none for n-gram
+    drafts, which are scheduled tokens). A smaller pool would start and then
+    refuse every long request when it is added. The message gives the numbers
+    and the engine arguments that change them.
+
+    ``n > 1`` and beam search are per request (``SamplingParams.n``,
+    ``BeamSearchParams.beam_width``; the engine bounds neither by the pool), so
+    their ``n x`` blocks are checked when such a request is added
+    (:func:`minivllm.engine.sequence_groups.check_group_fits`). LoRA adds no KV.
+    """
+    block_size = config.block_size
+    need = cdiv(max_model_len + num_lookahead_tokens, block_size)
+    if need <= num_blocks:
+        return
+    ahead = (f" + {num_lookahead_tokens} lookahead slots (num_speculative_tokens)"
+             if num_lookahead_tokens else "")
+    if config.num_gpu_blocks_override is not None:
+        knob = f"num_gpu_blocks_override to {need}"
+    elif device.type == "cuda":
+        knob = "gpu_memory_utilization"
+    else:
+        knob = f"kv_cache_memory to {need * bytes_per_block} bytes"
+    num_blocks = max(num_blocks, 0)  # a budget below one block: none at all
+    longest = num_blocks * block_size - num_lookahead_tokens
+    lower = f", or lower max_model_len to {longest}" if longest >= 1 else ""
+    raise ValueError(
+        f"the KV cache pool is too small for one request of max_model_len={max_model_len} "
+        f"tokens{ahead}: it needs {need} blocks of {block_size} tokens "
+        f"({need * bytes_per_block} bytes), the pool has {num_blocks} "
+        f"({num_blocks * bytes_per_block} bytes); raise {knob}{lower}")

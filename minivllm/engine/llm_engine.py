@@ -97,7 +97,8 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         max_model_len = max_model_len_for(config.max_model_len, hf_config)
         block_bytes = self.executor.bytes_per_block(config.block_size)
-        num_blocks = num_kv_blocks(config, block_bytes, device)
+        num_blocks = num_kv_blocks(config, block_bytes, device, max_model_len,
+                                   num_lookahead_tokens(spec))  # ValueError if one can't fit
         # The KV cache, the block table and the model runner live on every rank.
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
                                     cdiv(max_model_len, config.block_size))

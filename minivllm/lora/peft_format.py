@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from minivllm.lora.models import (
     SUPPORTED_MODULES,
@@ -198,8 +200,8 @@ def read_config(path: Path) -> dict:
                          f"directory)")
     try:
         return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -208,11 +210,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         file = path / name
         if not file.is_file():
             continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
+        # The libraries' own errors for a cut-off or corrupt file do not say which file.
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
 
-            return load_file(str(file))
-        return torch.load(file, map_location="cpu", weights_only=True)
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except (SafetensorError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            raise ValueError(f"{file}: not a readable {name.rsplit('.', 1)[1]} file "
+                             f"(truncated or corrupt?): {e}") from None
     raise ValueError(f"lora_path {str(path)!r} holds no adapter weights (looked for "
                      f"{' or '.join(WEIGHT_FILES)})")
 
@@ -249,10 +256,22 @@ def load_adapter(lora_request: LoRARequest, hf_config: Any, max_lora_rank: int,
     """Load and check the PEFT adapter at ``lora_request.lora_path`` for a model (its HF config).
 
     Returns a :class:`LoRAModel` on the CPU with its A and B in ``dtype``. Raises
-    ``ValueError`` naming the problem (see the module docstring); nothing about
-    the adapter is checked later.
+    ``ValueError`` naming the adapter's path and the problem (see the module
+    docstring); nothing about the adapter is checked later.
     """
     path = Path(lora_request.lora_path)
+    try:
+        return _read_adapter(path, lora_request, hf_config, max_lora_rank, dtype)
+    except ValueError as e:
+        # Named here, once, whichever check below refused it: a server loads many adapters.
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"LoRA adapter {str(path)!r}: {e}") from None
+
+
+def _read_adapter(path: Path, lora_request: LoRARequest, hf_config: Any, max_lora_rank: int,
+                  dtype: torch.dtype) -> LoRAModel:
+    """:func:`load_adapter`'s reading and checking, each refusal a bare ``ValueError``."""
     if not path.is_dir():
         raise ValueError(f"lora_path {str(path)!r} does not exist or is not a directory "
                          f"(lora_name={lora_request.lora_name!r})")

@@ -150,18 +150,32 @@ def iterate_gguf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.
 
 def gguf_tokenizer(path: str | Path) -> Any:
     """The tokenizer (with chat template and bos/eos) stored in a GGUF file's metadata."""
-    from transformers import AutoTokenizer
+    from minivllm.model.tokenizer import load_tokenizer
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                         local_files_only=True)
+    return load_tokenizer(path.parent, gguf_file=path.name)
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``, or a ``ValueError`` naming the file if it is
+    cut short or corrupt.
+
+    The reader parses the header and maps every tensor's bytes when it opens
+    the file, so a truncated file fails here, before any model is built; its
+    own errors (a numpy reshape, an unknown version) do not say which file.
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def load_gguf(path: str | Path) -> tuple[Any, Iterator[tuple[str, torch.Tensor]], Any]:
     """``(hf_config, weights iterator, tokenizer)`` for a llama GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     config = config_from_gguf(reader)
     return config, iterate_gguf_tensors(reader, config), gguf_tokenizer(path)
 

@@ -19,6 +19,7 @@ whole checkpoint is never held twice in memory.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from minivllm.model.architectures import get_model_class
 from minivllm.model.llama import LlamaForCausalLM
-
-#: Any of these in a model directory means it ships a tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from minivllm.model.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -52,7 +51,14 @@ def resolve_model_path(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
+    if path.is_file():
+        raise ModelNotFoundError(f"model {str(model)!r}: {path} is a file, not a model "
+                                 f"directory or a .gguf file")
     if path.is_dir():
+        # Listing a directory needs read and execute: without them every file below
+        # would look absent, a misleading "no config.json".
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise PermissionError(f"model directory {path}: no permission to read it")
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {path} has no config.json")
         if not _safetensors_files(path):
@@ -68,9 +74,40 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files, in the index's order if sharded."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a "
+                             f"weight_map): {type(e).__name__}: {e}") from None
         return [model_dir / f for f in dict.fromkeys(weight_map.values())]
     return sorted(model_dir.glob("*.safetensors"))
+
+
+def open_safetensors(file: Path) -> Any:
+    """``safe_open(file)``, or a ``ValueError`` naming the file if it is cut short or corrupt.
+
+    safetensors checks the header (its length, its JSON, that the tensors'
+    offsets cover the file exactly) when the file is opened, so a truncated
+    file fails here, before any weight is read; its own error does not say
+    which file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: safetensors file not found (listed by the index?)")
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): "
+                         f"{e}") from None
+
+
+def check_safetensors(model_dir: str | Path) -> None:
+    """Open every safetensors file of ``model_dir`` once, so a bad one fails before the
+    model is built (:func:`open_safetensors` says which and why)."""
+    for file in _safetensors_files(Path(model_dir)):
+        with open_safetensors(file):
+            pass
 
 
 def iterate_safetensors(model_dir: str | Path,
@@ -80,16 +117,20 @@ def iterate_safetensors(model_dir: str | Path,
     ``keep(name) -> bool`` (optional) skips the others without reading them:
     a pipeline stage reads only its own layers' bytes.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     files = _safetensors_files(Path(model_dir))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {model_dir}")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
                 if keep is None or keep(name):
-                    yield name, f.get_tensor(name)
+                    try:
+                        tensor = f.get_tensor(name)
+                    except (SafetensorError, OSError, RuntimeError) as e:
+                        raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from None
+                    yield name, tensor
 
 
 class _FloatsIn(TorchFunctionMode):
@@ -201,13 +242,13 @@ def load_model(
 
         hf_config, weights, tokenizer = load_gguf(path)
     else:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        check_safetensors(path)  # a cut-off file fails now, by name, not mid-load
         weights = None  # read below, once the model knows which tensors are its own
         has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
-        tokenizer = (AutoTokenizer.from_pretrained(path, local_files_only=True)
-                     if has_tokenizer else None)
+        tokenizer = load_tokenizer(path) if has_tokenizer else None
     module = build_model(hf_config, dtype, device, tp_size, components, pp_rank, pp_size,
                          pp_layer_partition)
     if weights is None:

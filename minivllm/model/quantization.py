@@ -209,9 +209,9 @@ def _gguf_sources(layer_name: str) -> list[tuple[str, Any]]:
 
 def _load_gguf_blocks(model: nn.Module, ops: ModuleType, path: Path, method: str,
                       activations: str) -> None:
-    import gguf
+    from minivllm.model.gguf_loader import open_gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     layers = [(name, layer, _gguf_sources(name)) for name, layer in quantized_layers(model)]
     head = lm_head_of(model)

@@ -200,7 +200,7 @@ def test_packages_written_from_the_handouts_serve_the_engine(serves, older, tiny
 
     components = ("kv_cache_manager", "scheduler") if serves == "both" else (serves,)
     path = str(tiny_model_dir("llama"))
-    kw = dict(dtype="float32", device="cpu", max_model_len=64, block_size=4,
+    kw = dict(dtype="float32", device="cpu", max_model_len=48, block_size=4,
               num_gpu_blocks_override=12)  # small: allocation and preemption both happen
     expect = _generate(LLM(path, backend="ref", **kw))
     llm = LLM(path, backend=dict.fromkeys(components, package), **kw)
