@@ -14,13 +14,12 @@ The loop that ties every component together (:meth:`LLMEngine.step`)::
     outputs = output_processor.process(rows, ...)    # text, stop strings, RequestOutputs
     speculator.propose(running)                      # drafts for the next step (if any)
 
-**One loop, any depth.** Up to ``executor.max_concurrent_batches`` scheduled
-steps may be in flight (vLLM v1's batch queue). With one, the step above runs
-top to bottom: schedule, send, and at once wait for its logits and finish it.
-With ``P`` pipeline stages, a step sends a new micro-batch while fewer than
-``P`` are in flight (the scheduler leaves the requests in flight out:
-``schedule(in_flight=...)``), and finishes the oldest one when the queue is
-full or nothing new could be sent, so every stage has work.
+**One loop, any depth.** Up to ``executor.max_concurrent_batches`` scheduled steps may be in
+flight (vLLM v1's batch queue). With one, the step above runs top to bottom: schedule, send, and
+at once wait for its logits and finish it. With ``P`` pipeline stages, a step sends a new micro-
+batch while fewer than ``P`` are in flight (the scheduler leaves the requests in flight out:
+``schedule(in_flight=...)``), and finishes the oldest one when the queue is full or nothing new
+could be sent, so every stage has work.
 
 :class:`minivllm.LLM` drives this loop for offline batches; the server's
 :class:`~minivllm.engine.async_llm.AsyncLLM` drives it one step at a time.
@@ -93,9 +92,8 @@ class LLMEngine:
         self.executor = make_executor(config.worker_config(dtype, device), self.components,
                                       config.distributed_executor_backend)
         self.tokenizer = self.executor.tokenizer
-        hf_config = self.executor.hf_config
-        self.vocab_size = hf_config.vocab_size
-        max_model_len = max_model_len_for(config.max_model_len, hf_config)
+        self.vocab_size = self.executor.hf_config.vocab_size
+        max_model_len = max_model_len_for(config.max_model_len, self.executor.hf_config)
         block_bytes = self.executor.bytes_per_block(config.block_size)
         num_blocks = num_kv_blocks(config, block_bytes, device, max_model_len,
                                    num_lookahead_tokens(spec))  # ValueError if one can't fit
@@ -118,7 +116,6 @@ class LLMEngine:
         self.speculator = None if spec is None else Speculator(
             spec, make_proposer(spec, self.components, self.executor), max_model_len)
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        # The model's recommended sampling defaults and its other EOS ids (--generation-config).
         self.generation = load_generation_defaults(config.generation_config, config.model)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               eos_token_id, self.sampler, self.generation,
