@@ -113,6 +113,7 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self.last_stats: StepStats | None = None
         self.error: EngineDeadError | None = None
+        self._stopping: asyncio.Future | None = None
         # Caller side: the requests in flight (added, not yet finished or aborted).
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
@@ -260,7 +261,12 @@ class AsyncLLM:
             await self._send("abort", [request_id])
 
     async def shutdown(self) -> None:
-        """Stop the engine thread, fail what is still in flight, stop the engine's workers."""
+        """Stop the engine thread, fail what is in flight, stop the workers (once)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._shutdown())
+        await self._stopping
+
+    async def _shutdown(self) -> None:
         if self._thread is not None:
             self._inbox.put(("stop", None, None))
             await asyncio.to_thread(self._thread.join)

@@ -41,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.entrypoints.chat_utils import ChatTemplates
 from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
@@ -312,11 +312,31 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app: FastAPI, log_level: str):
+def _uvicorn_server(app: FastAPI, log_level: str, llm: AsyncLLM | None = None):
+    """uvicorn's server; with ``llm``, SIGTERM / SIGINT first end what is in flight.
+
+    uvicorn's graceful shutdown waits for open connections (at most 5 s here) and then
+    cuts them: a stream running longer would stop mid-way with no word of why. So the
+    first signal fails every request in flight with an ``EngineDeadError`` naming it
+    (each open stream sends that as its last event), and then lets uvicorn stop.
+    """
+    import signal
+
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                                         timeout_keep_alive=30))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if llm is not None and llm.error is None:
+                llm.error = EngineDeadError(
+                    f"the server is shutting down ({signal.Signals(sig).name}); this "
+                    f"request was not finished")
+                with contextlib.suppress(RuntimeError):  # no loop: nothing is in flight
+                    loop = asyncio.get_running_loop()
+                    self._ending = loop.create_task(llm.shutdown())
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                 timeout_keep_alive=30))
 
 
 def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
@@ -329,7 +349,7 @@ def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: in
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths,
                                        lora_modules, allow_lora_updates, chat_templates),
-                             log_level)
+                             log_level, llm)
     generation = llm.engine.generation
     if generation.sampling:  # said as vLLM says it: requests that set nothing get these
         print(f"minivllm serve: default sampling params from the model's generation config "
