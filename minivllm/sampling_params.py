@@ -159,7 +159,10 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (included in token_ids).
         ignore_eos: keep generating after the EOS token.
         logprobs: number of top log-probabilities to return for each sampled
-            token (the sampled token's own is always included); ``None`` = off.
+            token (the sampled token's own is always included); ``None`` = off;
+            -1 = every token's (the engine's ``max_logprobs`` caps it).
+        truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (vLLM's;
+            -1: the last ``max_model_len``); ``None`` = the whole prompt.
         skip_special_tokens: drop special tokens from the output text.
         include_stop_str_in_output: keep the matched stop string in the text.
         output_kind: a :class:`RequestOutputKind`: cumulative outputs (the
@@ -188,6 +191,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -281,6 +285,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
+        t = self.truncate_prompt_tokens
+        if t is not None and not (t >= 1 or t == -1):
+            raise bad("truncate_prompt_tokens", ">= 1, -1 (max_model_len) or None")
         if self.logprobs is not None and self.logprobs < -1:
             raise bad("logprobs", ">= 0, -1 (the whole vocabulary) or None; the engine's "
                                   "max_logprobs caps it")
@@ -307,8 +314,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
-_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs")
-_OPTIONAL_FIELDS = ("max_tokens", "logprobs")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "truncate_prompt_tokens")
+_OPTIONAL_FIELDS = ("max_tokens", "logprobs", "truncate_prompt_tokens")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 

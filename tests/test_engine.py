@@ -346,3 +346,30 @@ def test_fast_matches_ref_on_cuda_with_cuda_graphs(tiny_model_dir):
         outs[spec] = [o.outputs[0].token_ids for o in res]
     assert outs["fast"] == outs["ref"]
     assert outs["ref"][:4] == hf_greedy(path, prompts[:4], 24)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir):
+    """vLLM's left truncation: the output is that of the last ``k`` tokens as the prompt
+    (the oracle: the same engine given only those), and -1 keeps ``max_model_len``."""
+    path = tiny_model_dir("llama")
+    llm = make_llm(path, max_model_len=64)
+    prompt = random_prompts(1, [30], seed=3)[0]
+    cut = llm.generate({"prompt_token_ids": prompt}, greedy(5, truncate_prompt_tokens=7),
+                       use_tqdm=False)[0]
+    whole = llm.generate({"prompt_token_ids": prompt[-7:]}, greedy(5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-7:]
+    assert cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    long = random_prompts(1, [70], seed=4)[0]
+    with pytest.raises(ValueError, match="max_model_len"):  # 64 kept + 5 new > 64
+        llm.generate({"prompt_token_ids": long}, greedy(5, truncate_prompt_tokens=-1),
+                     use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": long}, greedy(5, truncate_prompt_tokens=59),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-59:] and len(out.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        greedy(5, truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) must be at most"):
+        llm.generate({"prompt_token_ids": prompt}, greedy(5, truncate_prompt_tokens=65),
+                     use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks

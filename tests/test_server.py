@@ -107,6 +107,19 @@ def test_streamed_equals_full_equals_offline_with_exact_usage(tiny, prompt) -> N
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.outputs[0].text
 
 
+def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(tiny) -> None:
+    server, llm = tiny
+    ids = llm.get_tokenizer().encode(PROMPTS[3])
+    want = llm.generate({"prompt_token_ids": ids[-5:]},
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0]
+    got = client(server).completions.create(
+        model="tiny", prompt=PROMPTS[3], temperature=0, max_tokens=6,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.usage.prompt_tokens == 5
+
+
 def test_chat_uses_the_chat_template(tiny) -> None:
     server, llm = tiny
     messages = [{"role": "user", "content": "hi, who are you?"}]
@@ -228,6 +241,7 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(prompt=[999_999]), 400, "prompt_token_ids must be in"),
     (dict(prompt=""), 400, "empty"),
     (dict(logprobs=21), 400, "logprobs"),
+    (dict(extra_body={"truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens"),
     (dict(presence_penalty=3), 400, "presence_penalty"),
     (dict(extra_body={"min_tokens": 9}, max_tokens=4), 400, "min_tokens"),
     (dict(extra_body={"top_k": -3}), 400, "top_k"),

@@ -57,6 +57,18 @@ class InputProcessor:
         self.generation = GenerationDefaults() if generation is None else generation
         self.max_logprobs = max_logprobs
 
+    def truncate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation; -1:
+        ``max_model_len``), or the prompt itself; ``ValueError`` past ``max_model_len``."""
+        k = getattr(sampling_params, "truncate_prompt_tokens", None)
+        if k is None or not isinstance(prompt_token_ids, (list, tuple)):
+            return prompt_token_ids
+        k = self.max_model_len if k == -1 else k
+        if k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) must be at most "
+                             f"max_model_len={self.max_model_len}")
+        return list(prompt_token_ids[-k:])
+
     def validate_prompt(self, prompt_token_ids: list[int],
                         sampling_params: SamplingParams) -> None:
         """Raise ``ValueError`` if this prompt can never be served (see the module docstring)."""
@@ -66,6 +78,7 @@ class InputProcessor:
         if not isinstance(prompt_token_ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of ints, "
                              f"got {type(prompt_token_ids).__name__}")
+        prompt_token_ids = self.truncate(prompt_token_ids, sampling_params)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
         # The length first: a huge prompt is refused without scanning it.
@@ -98,6 +111,7 @@ class InputProcessor:
         ``lora_request`` must have been checked (``LoRARequests.check``).
         """
         self.validate_prompt(prompt_token_ids, sampling_params)
+        prompt_token_ids = self.truncate(prompt_token_ids, sampling_params)
         sampling_params.verify()
         sampling_params = self.generation.with_eos(sampling_params, self.eos_token_id)
         if sampling_params.logprobs == -1:  # the whole vocabulary, as a number from here on

@@ -190,6 +190,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsField | None = None
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
@@ -281,6 +282,7 @@ class _SamplingFields(_Request):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as e:
             # SamplingParams names the field first: "top_p must be in (0, 1], got 2.0".

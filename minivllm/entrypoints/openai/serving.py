@@ -253,7 +253,10 @@ class OpenAIServing:
             raise APIError(503, str(e)) from None
         except EngineDeadError as e:
             raise APIError(500, str(e)) from None
-        num_prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n
+        # Once per prompt, whatever n; as the engine kept it (truncate_prompt_tokens).
+        keep = getattr(params, "truncate_prompt_tokens", None)
+        keep = self.llm.max_model_len if keep == -1 else keep
+        num_prompt_tokens = sum(len(p) if keep is None else min(len(p), keep) for p in prompts)
         if req.stream:
             # vLLM's continuous_usage_stats: usage so far on every chunk (with include_usage).
             every = req.include_usage() and req.stream_options.continuous_usage_stats
