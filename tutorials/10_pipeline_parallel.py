@@ -322,5 +322,5 @@ print("saved 10_pp_vs_tp.png")
 #
 # .. code-block:: text
 #
-#    pytest -q --backend=ref tests/course/test_task_pipeline_parallel.py tests/test_bench_pp.py
-#    pytest -q --backend=fast tests/course/test_task_pipeline_parallel.py tests/test_bench_pp.py
+#    pytest -q --backend=ref tests/test_pp_stages.py tests/test_bench_pp.py
+#    pytest -q --backend=fast tests/test_pp_stages.py tests/test_bench_pp.py

@@ -80,16 +80,15 @@ __all__ = [
 GEMV_MAX_ROWS = 128
 
 
-def _native(weight: QuantizedWeight, float_scales: bool = False) -> bool:
-    """True if the C++ ops run ``weight``; ``float_scales``: for an op that reads float32
-    scales only (the W8A16 / W4A16 kernels; the W8A8 ones read float16 scales too)."""
-    return (weight.qweight.device.type == "cpu" and cpu_ops.available()
-            and (not float_scales or weight.scales.dtype == torch.float32))
+def _dequantize_runs(weight: QuantizedWeight) -> bool:
+    """True if the C++ dequantize ops run ``weight`` (2-D, on a CPU, float32 scales)."""
+    return (weight.qweight.dim() == 2 and weight.qweight.device.type == "cpu"
+            and cpu_ops.available() and weight.scales.dtype == torch.float32)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ``(N, K)`` weight in ``dtype``, from one threaded C++ pass (2-D, on a CPU)."""
-    if weight.qweight.dim() != 2 or not _native(weight, float_scales=True):
+    if not _dequantize_runs(weight):
         return ref_dequantize(weight, dtype)
     out = torch.empty(tuple(weight.shape), dtype=dtype)
     if weight.method == "int8":
