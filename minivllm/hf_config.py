@@ -6,7 +6,8 @@ as query heads), ``head_dim`` missing means ``hidden_size //
 num_attention_heads`` (Qwen3 sets it, and it may differ), and the biases
 depend on the model type as well as on ``attention_bias``. Every module that
 needs one of these (the model, the tensor-parallel size check, LoRA's shard
-shapes) calls :func:`attention_config`, so a model whose config spells a
+shapes) calls :func:`attention_config` (or, needing only the head counts,
+:func:`num_kv_heads`), so a model whose config spells a
 field differently is fixed in one place.
 """
 
@@ -37,6 +38,11 @@ class AttentionConfig:
     qk_norm: bool
 
 
+def num_kv_heads(hf_config: Any) -> int:
+    """``num_key_value_heads``, or ``num_attention_heads`` where the config leaves it out."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
 def attention_config(hf_config: Any) -> AttentionConfig:
     """The :class:`AttentionConfig` of ``hf_config`` (a ``PretrainedConfig`` or any object
     with its attributes), with the defaults HF applies to the fields it leaves out."""
@@ -45,7 +51,7 @@ def attention_config(hf_config: Any) -> AttentionConfig:
     model_type = getattr(hf_config, "model_type", None)
     return AttentionConfig(
         num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        num_kv_heads=num_kv_heads(hf_config),
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         qkv_bias=attention_bias or model_type == "qwen2",
         o_bias=attention_bias and model_type != "qwen2",
