@@ -88,11 +88,11 @@ GEMV_MAX_ROWS = 16
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True if ``linear(x, weight)`` should run the C++ small-M kernel.
 
-    The weight's kernel is :func:`minivllm.fast.projection.projection_kernel`'s
+    The weight's kernel is :func:`minivllm.fast.linear_kernel.projection_kernel`'s
     (the rule the C++ layer stack follows too: bf16 or float32, 2-D,
     contiguous, on a CPU), for 1 to its ``max_rows`` (:data:`GEMV_MAX_ROWS`) rows.
     """
-    from minivllm.fast.projection import projection_kernel
+    from minivllm.fast.linear_kernel import projection_kernel
 
     if x.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling():
         return False

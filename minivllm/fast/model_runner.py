@@ -37,7 +37,7 @@ ref, not a student's package), and every projection is a weight the loop
 multiplies (float32 or bf16, or int8 / int4 :class:`~minivllm.quantized_weight.QuantizedWeight`
 of the fast quantization twin, GGUF blocks included, with float or int8
 activations: W8A16 / W4A16 / W8A8 / W4A8) without a bias, as
-:func:`~minivllm.fast.projection.projection_kernel` decides for the linear
+:func:`~minivllm.fast.linear_kernel.projection_kernel` decides for the linear
 forward too;
 :meth:`LayerStack.can_run` checks per step that every projection is a GEMV at
 that many rows (a long prefill chunk runs the model's forward, whose GEMMs
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from minivllm.fast import model_runner_hugepages as hugepages
-from minivllm.fast.projection import ProjectionKernel, kind_numbers, projection_kernel
+from minivllm.fast.linear_kernel import ProjectionKernel, kind_numbers, projection_kernel
 from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
 from minivllm.quantized_weight import QuantizedWeight
@@ -231,7 +231,7 @@ def _components_why_not(model: torch.nn.Module) -> str | None:
 
 
 def _projection(layer: torch.nn.Module) -> ProjectionKernel | str:
-    """The C++ kernel of one projection (:func:`~minivllm.fast.projection.projection_kernel`,
+    """The C++ kernel of one projection (:func:`~minivllm.fast.linear_kernel.projection_kernel`,
     the linear forward's own rule), or why the C++ loop can't run it."""
     from minivllm.fast import linear as fast_linear
     from minivllm.fast import quantization as fast_quantization

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.fast import cpu_ops
-from minivllm.fast.projection import projection_kernel
+from minivllm.fast.linear_kernel import projection_kernel
 from minivllm.ref import quantization as _ref
 from minivllm.ref.quantization import (  # noqa: F401  (re-exported: the ref's names)
     ACT_GROUP_SIZE,
@@ -102,7 +102,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for a quantized 2-D ``W``: ``x (..., K) -> (..., N)`` in ``x``'s dtype.
 
-    The kernel is :func:`minivllm.fast.projection.projection_kernel`'s, the
+    The kernel is :func:`minivllm.fast.linear_kernel.projection_kernel`'s, the
     rule the C++ layer stack follows too; where it names none, the ref's.
     """
     kernel = projection_kernel(weight)

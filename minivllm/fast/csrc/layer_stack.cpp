@@ -38,7 +38,7 @@ namespace {
 
 // Projection kinds. This table is the only numbering: Python reads the names in this
 // order (decode_layers_kinds()) and passes each projection's index
-// (fast/projection.py decides the kind, fast/model_runner.py packs it).
+// (fast/linear_kernel.py decides the kind, fast/model_runner.py packs it).
 enum Kind : int64_t {
   FLOAT_WEIGHT,  // "float": weight (N, K) float32 / bf16
   INT8_WEIGHT,   // "w8a16": qweight int8 (N, K), scales (N, G)

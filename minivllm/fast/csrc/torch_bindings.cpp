@@ -62,7 +62,7 @@ TORCH_LIBRARY(minivllm, m) {
       "int num_kv_heads, int head_dim, float scale, Tensor(e!)[] k_scales, "
       "Tensor(f!)[] v_scales) -> ()");
   // decode_layers' projection kinds by name, index = the number `kinds` holds; and the
-  // activation group of W8A8 / W4A8 (both read by minivllm/fast/projection.py).
+  // activation group of W8A8 / W4A8 (both read by minivllm/fast/linear_kernel.py).
   m.def("decode_layers_kinds() -> str[]", &minivllm::decode_layers_kinds);
   m.def("act_group_size() -> int", &minivllm::act_group_size);
   // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).

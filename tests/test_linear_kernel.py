@@ -1,6 +1,6 @@
 """The one dispatch rule for a projection's C++ kernel, and the C++ layer stack's kind table.
 
-:func:`minivllm.fast.projection.projection_kernel` decides which kernel
+:func:`minivllm.fast.linear_kernel.projection_kernel` decides which kernel
 multiplies a weight, for the linear forward and the C++ layer stack alike; the
 layer stack numbers the kinds in C++ and exports its table. These tests check
 the two tables hold the same names (both directions), the rule against a
@@ -18,7 +18,7 @@ import torch
 
 from minivllm.fast import cpu_ops
 from minivllm.fast import quantization as fast_quantization
-from minivllm.fast.projection import KINDS, kind_numbers, projection_kernel
+from minivllm.fast.linear_kernel import KINDS, kind_numbers, projection_kernel
 from minivllm.ref import quantization as ref_quantization
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ ops did not build")

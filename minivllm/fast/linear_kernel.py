@@ -13,6 +13,9 @@ weight the linear forward would send to the ref, the layer stack refuses.
 The kinds are named, never numbered here: ``layer_stack.cpp`` holds the one
 numbering and exports it (``torch.ops.minivllm.decode_layers_kinds()``, the
 names in index order); :func:`kind_numbers` reads it.
+
+A helper of the ``linear`` component's fast twin, with no ref twin: the ref
+has no kernels to choose between.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ __all__ = ["KINDS", "ProjectionKernel", "projection_kernel", "kind_numbers"]
 
 #: Every kind :func:`projection_kernel` returns: float32 / bf16 weights (the small-M
 #: GEMV), W8A16, W4A16 (dequantize in registers), W8A8, W4A8 (integer dot products).
-#: ``tests/test_projection.py`` checks that the C++ layer stack knows the same names.
+#: ``tests/test_linear_kernel.py`` checks that the C++ layer stack knows the same names.
 KINDS = ("float", "w8a16", "w4a16", "w8a8", "w4a8")
 
 
