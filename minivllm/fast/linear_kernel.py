@@ -81,7 +81,9 @@ def projection_kernel(weight: torch.Tensor | QuantizedWeight) -> ProjectionKerne
             return "a float-activation quantized weight with float16 scales"
         return ProjectionKernel("w8a16" if weight.method == "int8" else "w4a16", tensors,
                                 fast_quantization.GEMV_MAX_ROWS)
-    if (weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous()
+    if weight.device.type != "cpu":  # every CUDA linear asks: no string formatting
+        return "a weight off the CPU"
+    if (weight.dim() != 2 or not weight.is_contiguous()
             or weight.dtype not in (torch.float32, torch.bfloat16)):
         return f"a {weight.dtype} {tuple(weight.shape)} weight"
     if not cpu_ops.available():
