@@ -72,7 +72,6 @@ COMPONENTS: Mapping[str, str] = MappingProxyType({
     "scheduler": "host",
     "block_table": "host",
     "linear": "host",
-    "pipeline": "host",
     "quantization": "kernel",
     "cache_write": "kernel",
     "attention": "kernel",

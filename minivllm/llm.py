@@ -62,7 +62,7 @@ class LLM:
             ranges, docs/pipeline_parallel.md); ``tp x pp`` ranks in all.
             ``pp_layer_partition="4,3,3"`` (keyword) fixes the layers per stage
             (default: ``$MINIVLLM_PP_LAYER_PARTITION``, read once, else the
-            ``pipeline`` component's rule).
+            rule, :func:`minivllm.pp_stages.get_pp_indices`).
         enforce_eager: run the model's own forward on every device: no CUDA
             graph on a GPU, no C++ layer stack on a CPU (both are bit-identical
             replays of it), so a breakpoint in ``LlamaDecoderLayer.forward``

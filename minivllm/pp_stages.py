@@ -8,11 +8,13 @@ flows through the stages in order; between two stages travel only the
 ``(num_tokens, hidden)``), where tensor parallelism exchanges partial results
 twice in every layer.
 
-This module holds what is not a course component (the *rule* that splits the
-layers is :func:`minivllm.ref.pipeline.get_pp_indices`, served through the
-swap layer):
+A stage's forward is the model's own (:meth:`minivllm.model.llama.LlamaModel.forward`
+runs layers ``[start, end)``, embeds on the first stage and norms on the
+last). This module holds the rest:
 
+- :func:`get_pp_indices`: the rule that splits the layers (vLLM's);
 - :class:`IntermediateTensors`: what one stage hands to the next;
+- :class:`PPMissingLayer`: the placeholder for a module another stage holds;
 - :func:`stage_layer_ranges`: every stage's ``[start, end)`` layers, from the
   rule or from an explicit partition (``pp_layer_partition``; the engine
   config reads ``$MINIVLLM_PP_LAYER_PARTITION``, like vLLM's
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,35 @@ class IntermediateTensors:
 
     def keys(self) -> tuple[str, str]:
         return ("hidden_states", "residual")
+
+
+class PPMissingLayer(nn.Module):
+    """A placeholder for a module another pipeline stage holds (vLLM's ``PPMissingLayer``).
+
+    It has no parameters, so this stage neither allocates nor loads the
+    module's weights, and the model's ``layers`` list keeps its full length:
+    ``model.layers.7`` is layer 7 on every stage. Calling it is a bug.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("PPMissingLayer: this module lives on another pipeline stage")
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """``(start, end)``: stage ``pp_rank`` of ``pp_size`` holds layers ``start .. end - 1``.
+
+    ``num_layers // pp_size`` layers each; the remaining ``num_layers %
+    pp_size`` go one each to the stages just before the last (stage
+    ``pp_size - 2``, then ``pp_size - 3``, ...), never to the last, because
+    it also runs the final norm and the LM head (a ``vocab x hidden`` matmul
+    per sampled token). 5 layers on 3 stages: ``[0, 2) [2, 4) [4, 5)``.
+    Needs ``1 <= pp_size <= num_layers`` and ``0 <= pp_rank < pp_size``.
+    """
+    sizes = [num_layers // pp_size] * pp_size
+    for i in range(num_layers % pp_size):
+        sizes[pp_size - 2 - i] += 1  # never the last stage: it has the LM head
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
 
 
 def valid_pp_sizes(num_layers: int) -> list[int]:
@@ -89,7 +121,7 @@ def parse_partition(partition: str | tuple[int, ...] | list[int] | None) -> tupl
 
 
 def stage_layer_ranges(num_layers: int, pp_size: int, partition: Any,
-                       get_pp_indices: Callable[[int, int, int], tuple[int, int]],
+                       rule: Callable[[int, int, int], tuple[int, int]] = get_pp_indices,
                        ) -> list[tuple[int, int]]:
     """Every stage's ``(start, end)`` layers, in stage order; ONE place decides the split.
 
@@ -99,8 +131,8 @@ def stage_layer_ranges(num_layers: int, pp_size: int, partition: Any,
         partition: layers per stage (``"4,3,3"`` or ``(4, 3, 3)``), or None for
             the rule. Must have ``pp_size`` entries, each >= 1, summing to
             ``num_layers``.
-        get_pp_indices: the rule ``(num_layers, pp_rank, pp_size) -> (start, end)``
-            (the engine passes its ``pipeline`` component's).
+        rule: ``(num_layers, pp_rank, pp_size) -> (start, end)``; :func:`get_pp_indices`
+            unless a test passes another.
 
     The ranges are checked to tile ``[0, num_layers)`` in order, whoever
     computed them, so a wrong rule fails here, before any weight is loaded.
@@ -115,11 +147,11 @@ def stage_layer_ranges(num_layers: int, pp_size: int, partition: Any,
             )
         starts = [sum(sizes[:r]) for r in range(pp_size)]
         return [(s, s + n) for s, n in zip(starts, sizes)]
-    ranges = [tuple(get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
+    ranges = [tuple(rule(num_layers, r, pp_size)) for r in range(pp_size)]
     ends = [0] + [end for _, end in ranges]
     if any(start != ends[r] or end <= start for r, (start, end) in enumerate(ranges)) \
             or ends[-1] != num_layers:
-        raise ValueError(f"get_pp_indices({num_layers}, rank, {pp_size}) gave {ranges}: "
+        raise ValueError(f"the rule for {num_layers} layers on {pp_size} stages gave {ranges}: "
                          f"not consecutive non-empty ranges covering [0, {num_layers})")
     return ranges
 

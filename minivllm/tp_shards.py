@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from minivllm.config import cdiv
+from minivllm.hf_config import num_kv_heads
 
 
 def divisors(n: int) -> list[int]:
@@ -58,9 +59,8 @@ def valid_tp_sizes(hf_config: Any) -> list[int]:
 
 
 def _head_counts(hf_config: Any) -> tuple[int, int]:
-    """``(num_attention_heads, num_key_value_heads)``; no KV count means multi-head."""
-    heads = hf_config.num_attention_heads
-    return heads, getattr(hf_config, "num_key_value_heads", None) or heads
+    """``(num_attention_heads, num_key_value_heads)`` (:func:`~minivllm.hf_config.num_kv_heads`)."""
+    return hf_config.num_attention_heads, num_kv_heads(hf_config)
 
 
 def divide(numerator: int, tp_size: int, what: str) -> int:

@@ -192,5 +192,5 @@ def test_shared_blocks_never_hold_nan_or_a_siblings_kv(block_size, prompt_len, w
 @given(**groups)
 def test_the_manager_alone_keeps_every_sequence_intact(block_size, prompt_len, width, steps,
                                                        beam, caching, seed):
-    """The same, with every part but the KV cache manager the ref's (course task 20)."""
+    """The same, with every part but the KV cache manager the ref's (course task 19)."""
     _run_group(block_size, prompt_len, width, steps, beam, caching, seed, manager_only=True)

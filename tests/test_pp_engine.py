@@ -26,14 +26,13 @@ from minivllm.engine.config import EngineConfig, WorkerConfig
 from minivllm.engine.executor import UniProcExecutor
 from minivllm.engine.multiproc_executor import MultiprocExecutor
 from minivllm.engine.ranks import simulates_all_ranks
-from minivllm.pp_stages import stage_layer_ranges, valid_pp_sizes
-from minivllm.ref.pipeline import get_pp_indices
+from minivllm.pp_stages import get_pp_indices, stage_layer_ranges, valid_pp_sizes
 
 BLOCK_SIZE = 4
 
 
 def spec_with_ref_kernels() -> dict[str, str]:
-    """The backend under test for host components (linear, pipeline), ref kernels on the
+    """The backend under test for host components (linear, the model runner), ref kernels on the
     CPU: the thing under test is how the layers are split and run, not the kernels."""
     spec = {name: backend.resolve(name) for name in COMPONENTS}
     spec.update({n: "ref" for n, k in COMPONENTS.items() if k == "kernel"})

@@ -40,7 +40,7 @@ from _figures import figure_path  # tutorials/figures/, ignored by git
 from minivllm import backend
 from minivllm.bench.pp import measured_bubble, run_micro_batches, textbook_bubble
 from minivllm.bench.tp import num_blocks_needed, repeat_step, save_random_llama, synthetic_input
-from minivllm.ref.pipeline import get_pp_indices
+from minivllm.pp_stages import get_pp_indices
 
 torch.manual_seed(0)
 
@@ -323,5 +323,5 @@ print("saved 10_pp_vs_tp.png")
 #
 # .. code-block:: text
 #
-#    pytest -q --backend=ref tests/course/test_task_pipeline_parallel.py tests/test_bench_pp.py
-#    pytest -q --backend=fast tests/course/test_task_pipeline_parallel.py tests/test_bench_pp.py
+#    pytest -q --backend=ref tests/test_pp_stages.py tests/test_bench_pp.py
+#    pytest -q --backend=fast tests/test_pp_stages.py tests/test_bench_pp.py

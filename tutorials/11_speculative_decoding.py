@@ -439,7 +439,7 @@ for k in (1, 3, 5):
 # The course task
 # ---------------
 #
-# Task 19 ``rejection_sampler`` (:doc:`/course/19_rejection_sampler`) has you
+# Task 18 ``rejection_sampler`` (:doc:`/course/18_rejection_sampler`) has you
 # write ``verify_greedy`` and ``verify_random`` of
 # ``minivllm/ref/rejection_sampler.py`` in your student package: the rule for
 # one request, one position at a time.

@@ -292,7 +292,7 @@ for llm in (llm_plain, llm_cached):
 # The course task
 # ---------------
 #
-# Task 20 ``fork_cow`` (:doc:`/course/20_fork_cow`) has you write ``fork``,
+# Task 19 ``fork_cow`` (:doc:`/course/19_fork_cow`) has you write ``fork``,
 # ``_shared_blocks_written`` and ``_copy_on_write`` of
 # ``minivllm/ref/kv_cache_manager.py`` in your student package.
 #

@@ -143,7 +143,7 @@ fig.savefig(figure_path("13_dfa.png"), dpi=120)
 # bytes. A token is allowed in a DFA state when *all* its bytes can be walked
 # from that state without reaching the dead state: the text plus the token is
 # still the beginning of some valid answer. That is the whole of
-# ``token_mask`` in ``minivllm/ref/structured_output.py`` (and course task 21).
+# ``token_mask`` in ``minivllm/ref/structured_output.py`` (and course task 20).
 # EOS is allowed exactly in accepting states.
 #
 # A toy vocabulary shows the cases: ``-1`` takes two edges at once, ``7.``
@@ -418,7 +418,7 @@ llm.shutdown()
 # The course task
 # ---------------
 #
-# Task 21 ``token_mask`` (:doc:`/course/21_token_mask`) has you write
+# Task 20 ``token_mask`` (:doc:`/course/20_token_mask`) has you write
 # ``token_mask`` of ``minivllm/ref/structured_output.py`` in your student
 # package: the DFA walk that builds a token mask.
 #

@@ -295,7 +295,7 @@ llm.shutdown()
 # The course task
 # ---------------
 #
-# Task 22 ``lora_delta`` (:doc:`/course/22_lora_delta`) has you write
+# Task 21 ``lora_delta`` (:doc:`/course/21_lora_delta`) has you write
 # ``add_lora`` of ``minivllm/ref/lora.py`` in your student package: the delta for
 # a batch of tokens with mixed adapters, slice by slice of a fused projection.
 #

@@ -127,8 +127,8 @@ class WorkerConfig:
             :func:`~minivllm.engine.ranks.rank_devices`).
         tensor_parallel_size: ranks per pipeline stage.
         pipeline_parallel_size: pipeline stages.
-        pp_layer_partition: layers per stage, or None for the ``pipeline``
-            component's rule.
+        pp_layer_partition: layers per stage, or None for the rule
+            (:func:`minivllm.pp_stages.get_pp_indices`).
         quantization: None, ``"int8"``, ``"int4"`` or ``"gguf"``.
         kv_cache_dtype: how the KV cache is stored: ``"auto"`` (the model's
             dtype), ``"int8"``, ``"fp8"`` / ``"fp8_e4m3"`` (with a float32

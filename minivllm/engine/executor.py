@@ -224,8 +224,7 @@ class UniProcExecutor(Executor):
                 f"tensor_parallel_size={tp} with real (one process per rank) linear layers "
                 "needs MultiprocExecutor; UniProcExecutor runs it only with linear layers "
                 "that simulate every rank (the ref)")
-        check_model_parallel_sizes(config.model, tp, pp, config.pp_layer_partition,
-                                   components)
+        check_model_parallel_sizes(config.model, tp, pp, config.pp_layer_partition)
         self.config = config
         #: micro-batches the engine may keep in flight: as many as the real ranks
         #: would, so that the simulation schedules exactly the same batches

@@ -98,8 +98,7 @@ def make_executor(config: WorkerConfig,
     env = read_launcher_env(environ)
     # Every rank refuses a bad size (or partition) the same way, before loading anything.
     check_model_parallel_sizes(config.model, config.tensor_parallel_size,
-                               config.pipeline_parallel_size, config.pp_layer_partition,
-                               components)
+                               config.pipeline_parallel_size, config.pp_layer_partition)
     if env.rank != 0:
         run_launched_rank(env, config, components)
     return MultiprocExecutor(config, components, ranks=LaunchedRanks(env))

@@ -99,7 +99,7 @@ class MultiprocExecutor(Executor):
                 "rank in one process; use UniProcExecutor, or the fast linear backend for real "
                 "worker processes")
         # Before starting anything: the sizes, and the partition, must split this model.
-        check_model_parallel_sizes(config.model, tp, pp, config.pp_layer_partition, components)
+        check_model_parallel_sizes(config.model, tp, pp, config.pp_layer_partition)
         self.config = config
         self.ranks = SpawnedRanks() if ranks is None else ranks
         #: micro-batches the engine may keep in flight (vLLM's max_concurrent_batches)

@@ -54,13 +54,12 @@ def peek_hf_config(model: str) -> Any | None:
 
 
 def check_model_parallel_sizes(model: str, tp_size: int, pp_size: int = 1,
-                               pp_layer_partition: Any = None,
-                               components: backend.Components | None = None) -> None:
+                               pp_layer_partition: Any = None) -> None:
     """THE size check: refuse a ``tp_size`` / ``pp_size`` (or a layer partition) that
     does not split ``model``, with the sizes that work, before loading anything.
 
-    The layers are split by ``pp_layer_partition`` or else by the
-    ``pipeline`` component's rule (``components``; None resolves the global spec).
+    The layers are split by ``pp_layer_partition`` or else by the rule
+    (:func:`minivllm.pp_stages.get_pp_indices`).
     """
     check_tp_size(tp_size)
     check_pp_size(pp_size)
@@ -71,8 +70,7 @@ def check_model_parallel_sizes(model: str, tp_size: int, pp_size: int = 1,
         return
     if tp_size > 1:
         check_tp_size(tp_size, hf_config)
-    rule = backend.as_components(components).pipeline.get_pp_indices
-    stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition, rule)
+    stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition)
 
 
 def rank_devices(device: str | torch.device, num_ranks: int) -> list[torch.device]:

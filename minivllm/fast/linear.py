@@ -88,20 +88,19 @@ GEMV_MAX_ROWS = 16
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True if ``linear(x, weight)`` should run the C++ small-M kernel.
 
-    bf16 or float32 weights, 1 to :data:`GEMV_MAX_ROWS` rows.
+    The weight's kernel is :func:`minivllm.fast.linear_kernel.projection_kernel`'s
+    (the rule the C++ layer stack follows too: bf16 or float32, 2-D,
+    contiguous, on a CPU), for 1 to its ``max_rows`` (:data:`GEMV_MAX_ROWS`) rows.
     """
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        return False
+    from minivllm.fast.linear_kernel import projection_kernel
+
     if x.dtype not in (torch.bfloat16, torch.float32) or torch.compiler.is_compiling():
         return False
-    rows = x.numel() // max(1, weight.shape[1])
-    if not 1 <= rows <= GEMV_MAX_ROWS:
+    kernel = projection_kernel(weight)
+    if isinstance(kernel, str) or x.shape[-1] != weight.shape[1]:
         return False
-    from minivllm.fast import cpu_ops
-
-    return cpu_ops.available()
+    rows = x.numel() // max(1, weight.shape[1])
+    return 1 <= rows <= kernel.max_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -134,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)  # (M, N)
-    cpu_ops.ops().linear_small_m(out, rows, weight.contiguous(),
+    cpu_ops.ops().linear_small_m(out, rows, weight,
                                  None if bias is None else bias.contiguous(), portable)
     return out.view(*x.shape[:-1], weight.shape[0])
 

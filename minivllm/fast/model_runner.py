@@ -36,7 +36,9 @@ the model declares only features the loop implements
 ref, not a student's package), and every projection is a weight the loop
 multiplies (float32 or bf16, or int8 / int4 :class:`~minivllm.quantized_weight.QuantizedWeight`
 of the fast quantization twin, GGUF blocks included, with float or int8
-activations: W8A16 / W4A16 / W8A8 / W4A8) without a bias;
+activations: W8A16 / W4A16 / W8A8 / W4A8) without a bias, as
+:func:`~minivllm.fast.linear_kernel.projection_kernel` decides for the linear
+forward too;
 :meth:`LayerStack.can_run` checks per step that every projection is a GEMV at
 that many rows (a long prefill chunk runs the model's forward, whose GEMMs
 dominate it). The KV cache may be of any ``kv_cache_dtype``: an int8 / fp8
@@ -59,6 +61,7 @@ from typing import Any
 import torch
 
 from minivllm.fast import model_runner_hugepages as hugepages
+from minivllm.fast.linear_kernel import ProjectionKernel, kind_numbers, projection_kernel
 from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
 from minivllm.quantized_weight import QuantizedWeight
@@ -184,9 +187,6 @@ SUPPORTED_FEATURES = frozenset({
     "silu_gated_mlp", "final_norm", "tied_embeddings",
 })
 
-#: ``kinds`` values, as ``layer_stack.cpp`` reads them: float, W8A16, W4A16, W8A8, W4A8.
-FLOAT_WEIGHT, INT8_WEIGHT, INT4_WEIGHT, INT8_W8A8, INT4_W4A8 = 0, 1, 2, 3, 4
-
 #: (module attribute holding the component, function name) -> the C++ op it must be.
 _REQUIRED_OPS = MappingProxyType({
     ("layernorm", "fused_add_rms_norm"): "fused_add_rms_norm",
@@ -230,8 +230,9 @@ def _components_why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _projection(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor]] | str:
-    """``(kind, [weight, scales, mins])`` for one projection, or why the C++ loop can't run it."""
+def _projection(layer: torch.nn.Module) -> ProjectionKernel | str:
+    """The C++ kernel of one projection (:func:`~minivllm.fast.linear_kernel.projection_kernel`,
+    the linear forward's own rule), or why the C++ loop can't run it."""
     from minivllm.fast import linear as fast_linear
     from minivllm.fast import quantization as fast_quantization
 
@@ -240,19 +241,10 @@ def _projection(layer: torch.nn.Module) -> tuple[int, list[torch.Tensor]] | str:
     if layer.bias is not None:
         return "a projection has a bias"
     w = layer.weight
-    if isinstance(w, QuantizedWeight):
-        if w.ops is not fast_quantization or w.qweight.dim() != 2 or w.method not in ("int8", "int4"):
-            return "a quantized weight not served by the fast quantization twin"
-        int8_activations = w.activations == "int8"  # W8A8 / W4A8: integer dot products
-        if not int8_activations and w.scales.dtype != torch.float32:
-            return "a float-activation quantized weight with float16 scales"
-        if w.method == "int8":
-            return INT8_W8A8 if int8_activations else INT8_WEIGHT, [w.qweight, w.scales, w.scales]
-        return INT4_W4A8 if int8_activations else INT4_WEIGHT, [w.qweight, w.scales, w.mins]
-    if (w.device.type != "cpu" or w.dim() != 2 or not w.is_contiguous()
-            or w.dtype not in (torch.float32, torch.bfloat16)):
-        return f"a {w.dtype} {tuple(w.shape)} weight"
-    return FLOAT_WEIGHT, [w, w, w]  # scales, mins: unused placeholders
+    # The model's forward multiplies a quantized weight through the component it carries.
+    if isinstance(w, QuantizedWeight) and w.ops is not fast_quantization:
+        return "a quantized weight not served by the fast quantization twin"
+    return projection_kernel(w)
 
 
 class LayerStack:
@@ -263,10 +255,9 @@ class LayerStack:
     and returns the final hidden states, exactly as the model's forward would.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches, kinds: list[int],
-                 weights: list[torch.Tensor]) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches,
+                 projections: list[ProjectionKernel]) -> None:
         from minivllm.fast import cpu_ops
-        from minivllm.fast import linear as fast_linear
         from minivllm.fast import quantization as fast_quantization
 
         inner = model.model
@@ -276,7 +267,9 @@ class LayerStack:
         self.cos_sin_cache = inner.rotary_emb.cos_sin_cache.float().contiguous()
         self.is_neox = bool(inner.rotary_emb.is_neox_style)
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
-        self.kinds, self.weights = kinds, weights
+        numbers = kind_numbers()  # the C++ layer stack's own numbering
+        self.kinds = [numbers[p.kind] for p in projections]
+        self.weights = [t for p in projections for t in p.tensors]
         self.norms = [n.weight for l in inner.layers
                       for n in (l.input_layernorm, l.post_attention_layernorm)]
         self.norm_eps = [float(n.eps) for l in inner.layers
@@ -286,15 +279,11 @@ class LayerStack:
         # An int8 / fp8 cache's scales, one pair a layer (none for a float cache).
         self.k_scales = [kv[2] for kv in kv_caches if len(kv) == 4]
         self.v_scales = [kv[3] for kv in kv_caches if len(kv) == 4]
-        limits = {FLOAT_WEIGHT: fast_linear.GEMV_MAX_ROWS,
-                  INT8_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
-                  INT4_WEIGHT: fast_quantization.GEMV_MAX_ROWS,
-                  # the W8A8 kernels serve any M; the stack saves host overhead, which
-                  # matters for decode-sized steps, so the same limit
-                  INT8_W8A8: fast_quantization.GEMV_MAX_ROWS,
-                  INT4_W4A8: fast_quantization.GEMV_MAX_ROWS}
+        # The W8A8 kernels serve any M (max_rows None); the stack saves host overhead,
+        # which matters for decode-sized steps, so they get the quantized GEMVs' limit.
         #: Most rows (tokens in a step) for which every projection is a GEMV.
-        self.max_rows = min(limits[k] for k in kinds)
+        self.max_rows = min(fast_quantization.GEMV_MAX_ROWS if p.max_rows is None
+                            else p.max_rows for p in projections)
         ops = cpu_ops.ops()
         # The overloads themselves: skips the OpOverloadPacket lookup on every call.
         self._decode_layers = ops.decode_layers.default
@@ -326,17 +315,18 @@ class LayerStack:
             return "norm weights differ in dtype from the activations"
         # The weights into huge pages (Linux): the step streams them with fewer TLB misses.
         hugepages.rehome(model)
-        kinds: list[int] = []
-        weights: list[torch.Tensor] = []
+        numbers = kind_numbers()
+        projections: list[ProjectionKernel] = []
         for layer in layers:
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 got = _projection(proj)
                 if isinstance(got, str):
                     return got
-                kinds.append(got[0])
-                weights += got[1]
-        return cls(model, kv_caches, kinds, weights)
+                if got.kind not in numbers:
+                    return f"the C++ layer stack has no {got.kind!r} projection"
+                projections.append(got)
+        return cls(model, kv_caches, projections)
 
     def can_run(self, model_input: ModelInput) -> bool:
         """True if every projection of this step is a GEMV (few rows) and there is a token."""

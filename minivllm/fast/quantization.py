@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.fast import cpu_ops
+from minivllm.fast.linear_kernel import projection_kernel
 from minivllm.ref import quantization as _ref
 from minivllm.ref.quantization import (  # noqa: F401  (re-exported: the ref's names)
     ACT_GROUP_SIZE,
@@ -79,16 +80,15 @@ __all__ = [
 GEMV_MAX_ROWS = 128
 
 
-def _native(weight: QuantizedWeight, float_scales: bool = False) -> bool:
-    """True if the C++ ops run ``weight``; ``float_scales``: for an op that reads float32
-    scales only (the W8A16 / W4A16 kernels; the W8A8 ones read float16 scales too)."""
-    return (weight.qweight.device.type == "cpu" and cpu_ops.available()
-            and (not float_scales or weight.scales.dtype == torch.float32))
+def _dequantize_runs(weight: QuantizedWeight) -> bool:
+    """True if the C++ dequantize ops run ``weight`` (2-D, on a CPU, float32 scales)."""
+    return (weight.qweight.dim() == 2 and weight.qweight.device.type == "cpu"
+            and cpu_ops.available() and weight.scales.dtype == torch.float32)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ``(N, K)`` weight in ``dtype``, from one threaded C++ pass (2-D, on a CPU)."""
-    if weight.qweight.dim() != 2 or not _native(weight, float_scales=True):
+    if not _dequantize_runs(weight):
         return ref_dequantize(weight, dtype)
     out = torch.empty(tuple(weight.shape), dtype=dtype)
     if weight.method == "int8":
@@ -100,29 +100,33 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for a quantized 2-D ``W``: ``x (..., K) -> (..., N)`` in ``x``'s dtype."""
-    if not _native(weight):
+    """``x W^T + b`` for a quantized 2-D ``W``: ``x (..., K) -> (..., N)`` in ``x``'s dtype.
+
+    The kernel is :func:`minivllm.fast.linear_kernel.projection_kernel`'s, the
+    rule the C++ layer stack follows too; where it names none, the ref's.
+    """
+    kernel = projection_kernel(weight)
+    if isinstance(kernel, str):
         return ref_quantized_linear(x, weight, bias)
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x must have K = {k} features, got shape {tuple(x.shape)}")
     rows = x.reshape(-1, k)  # (M, K)
-    if weight.activations == "int8":  # W8A8 / W4A8: integer dot products, any M
+    qweight, scales, second = kernel.tensors  # second: int4's mins (int8: scales again)
+    if kernel.kind in ("w8a8", "w4a8"):  # integer dot products, any M
         acts = quantize_activations(rows)
-        y = (w8a8_matmul(acts, weight.qweight, weight.scales) if weight.method == "int8"
-             else w4a8_matmul(acts, weight.qweight, weight.scales, weight.mins))
+        y = (w8a8_matmul(acts, qweight, scales) if kernel.kind == "w8a8"
+             else w4a8_matmul(acts, qweight, scales, second))
         if bias is not None:
             y += bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
-    if not _native(weight, float_scales=True):
-        return ref_quantized_linear(x, weight, bias)
-    if rows.shape[0] > GEMV_MAX_ROWS:  # prefill: the GEMM wins
+    if rows.shape[0] > kernel.max_rows:  # prefill: the GEMM wins
         return F.linear(x, dequantize(weight, x.dtype), None if bias is None else bias.to(x.dtype))
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)  # (M, N)
-    if weight.method == "int8":
-        cpu_ops.ops().int8_linear(out, rows, weight.qweight, weight.scales)
-    else:
-        cpu_ops.ops().int4_linear(out, rows, weight.qweight, weight.scales, weight.mins)
+    if kernel.kind == "w8a16":
+        cpu_ops.ops().int8_linear(out, rows, qweight, scales)
+    else:  # w4a16
+        cpu_ops.ops().int4_linear(out, rows, qweight, scales, second)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from minivllm.hf_config import attention_config
+
 #: The projections an adapter may target, with the sub-module of a decoder layer holding each.
 SUPPORTED_MODULES: Mapping[str, str] = MappingProxyType({
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -53,17 +55,11 @@ def module_name(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{SUPPORTED_MODULES[module]}.{module}"
 
 
-def head_dim(hf_config: Any) -> int:
-    """The attention head size (Qwen3 sets it; the others derive it)."""
-    return getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads)
-
-
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """``module -> (in_features, out_features)`` of each targetable projection of the model."""
-    hidden, inter, d = hf_config.hidden_size, hf_config.intermediate_size, head_dim(hf_config)
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    dims = attention_config(hf_config)
+    d, heads, kv_heads = dims.head_dim, dims.num_heads, dims.num_kv_heads
     return {
         "q_proj": (hidden, heads * d), "k_proj": (hidden, kv_heads * d),
         "v_proj": (hidden, kv_heads * d), "o_proj": (heads * d, hidden),

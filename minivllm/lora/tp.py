@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from minivllm.lora.models import COLUMN_PARALLEL, SUPPORTED_MODULES, head_dim
+from minivllm.hf_config import attention_config
+from minivllm.lora.models import COLUMN_PARALLEL, SUPPORTED_MODULES
 from minivllm.tp_shards import check_tp_size, divide, kv_head_partition
 
 
@@ -42,9 +43,8 @@ def shard_rows(module: str, hf_config: Any, tp_rank: int, tp_size: int) -> tuple
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank!r}")
     if module not in SUPPORTED_MODULES:
         raise ValueError(f"module must be one of {list(SUPPORTED_MODULES)}, got {module!r}")
-    d = head_dim(hf_config)
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    dims = attention_config(hf_config)
+    d, heads, kv_heads = dims.head_dim, dims.num_heads, dims.num_kv_heads
     if module in ("q_proj", "o_proj"):  # q's output rows and o's input columns: query heads
         per_rank = divide(heads, tp_size, "num_attention_heads") * d
         return tp_rank * per_rank, per_rank

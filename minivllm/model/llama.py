@@ -58,9 +58,11 @@ import torch
 from torch import nn
 
 from minivllm import backend
+from minivllm.hf_config import attention_config
 from minivllm.metadata import AttentionMetadata
 from minivllm.model.rope import get_rope, rope_params_from_config
 from minivllm.model.weights import load_hf_weights
+from minivllm.pp_stages import IntermediateTensors, PPMissingLayer
 from minivllm.profiler import op_range
 
 # (k_cache, v_cache), each (blocks, bs, H_kv, D); an int8 / fp8 cache adds
@@ -118,11 +120,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         components = backend.as_components(components)
         hidden = config.hidden_size
-        total_heads = config.num_attention_heads
-        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        dims = attention_config(config)
+        total_heads, total_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        qkv_bias, o_bias = dims.qkv_bias, dims.o_bias
 
         linear = components.linear
         self.qkv_proj = linear.QKVParallelLinear(
@@ -137,7 +137,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = linear.RowParallelLinear(
             total_heads * self.head_dim, hidden, bias=o_bias, tp_size=tp_size
         )
-        if config.model_type == "qwen3":
+        if dims.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, components)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, components)
         else:
@@ -245,18 +245,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class PPMissingLayer(nn.Module):
-    """A placeholder for a module another pipeline stage holds (vLLM's ``PPMissingLayer``).
-
-    It has no parameters, so this stage neither allocates nor loads the
-    module's weights, and the model's ``layers`` list keeps its full length:
-    ``model.layers.7`` is layer 7 on every stage. Calling it is a bug.
-    """
-
-    def forward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("PPMissingLayer: this module lives on another pipeline stage")
-
-
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers, and the final norm (no LM head).
 
@@ -276,18 +264,13 @@ class LlamaModel(nn.Module):
         num_layers = config.num_hidden_layers
         self.start_layer, self.end_layer = layer_range or (0, num_layers)
         self.is_first_rank, self.is_last_rank = pp_rank == 0, pp_rank == pp_size - 1
-        self.pipeline = components.pipeline
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.is_first_rank or (self.is_last_rank and tied):
-            self.embed_tokens = linear.VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, tp_size=tp_size
-            )
+            self.embed_tokens = linear.VocabParallelEmbedding(config.vocab_size,
+                                                              config.hidden_size, tp_size=tp_size)
         else:
             self.embed_tokens = PPMissingLayer()
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        self.rotary_emb = RotaryEmbedding(config, head_dim, components)
+        self.rotary_emb = RotaryEmbedding(config, attention_config(config).head_dim, components)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, tp_size, components)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
@@ -309,11 +292,26 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # (T,)
         kv_caches: list[KVCache],  # one per layer this stage holds
         attn_metadata: AttentionMetadata,
-        intermediate_tensors: Any = None,  # the previous stage's IntermediateTensors
-    ) -> Any:  # (T, hidden) on the last stage, else IntermediateTensors
-        """This stage's part of the forward: :func:`minivllm.ref.pipeline.stage_forward`."""
-        return self.pipeline.stage_forward(self, input_ids, positions, kv_caches,
-                                           attn_metadata, intermediate_tensors)
+        intermediate_tensors: IntermediateTensors | None = None,  # None on the first stage
+    ) -> torch.Tensor | IntermediateTensors:
+        """This stage's forward over ``T`` tokens: the first embeds, each runs its layers
+        ``[start_layer, end_layer)`` (``kv_caches[0]`` is ``start_layer``'s), the last norms
+        and returns ``(T, hidden)``; the others return what they send on."""
+        if self.is_first_rank:
+            with op_range("op.embedding"):
+                hidden = self.embed_tokens(input_ids)  # (T, hidden)
+            residual = None  # layer 0 takes the embeddings as the residual stream
+        else:
+            hidden = intermediate_tensors["hidden_states"]  # (T, hidden)
+            residual = intermediate_tensors["residual"]  # (T, hidden)
+        for i in range(self.start_layer, self.end_layer):
+            with op_range(f"layer.{i}"):
+                hidden, residual = self.layers[i](positions, hidden, residual,
+                                                  kv_caches[i - self.start_layer], attn_metadata)
+        if not self.is_last_rank:
+            return IntermediateTensors(hidden_states=hidden, residual=residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -389,11 +387,10 @@ class LlamaForCausalLM(nn.Module):
         inner.rotary_emb = self.model.rotary_emb
         inner.layers = self.model.layers[:num_layers]  # a new ModuleList of the same layers
         inner.norm = self.model.norm
-        # One stage holding layers 0 .. num_layers - 1: the pipeline's stage_forward
-        # then runs exactly those, embeds first and applies the norm last.
+        # One stage holding layers 0 .. num_layers - 1: its forward then runs
+        # exactly those, embeds first and applies the norm last.
         inner.start_layer, inner.end_layer = 0, num_layers
         inner.is_first_rank = inner.is_last_rank = True
-        inner.pipeline = self.model.pipeline
         inner.features = self.model.features
         view = cls.__new__(cls)
         nn.Module.__init__(view)

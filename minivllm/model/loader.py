@@ -171,14 +171,13 @@ def build_model(
     None resolves the global backend spec once. With ``pp_size > 1`` it is
     pipeline stage ``pp_rank``: only that stage's layers have parameters
     (:func:`minivllm.pp_stages.stage_layer_ranges` decides which, from
-    ``pp_layer_partition`` or the ``pipeline`` component's rule).
+    ``pp_layer_partition`` or the split rule).
     """
     from minivllm import backend
     from minivllm.pp_stages import stage_layer_ranges
 
     components = backend.as_components(components)
-    ranges = stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition,
-                                components.pipeline.get_pp_indices)
+    ranges = stage_layer_ranges(hf_config.num_hidden_layers, pp_size, pp_layer_partition)
     cls = get_model_class(hf_config)
     with torch.device(device), _FloatsIn(dtype):  # parameters made in dtype, on device
         model = cls(hf_config, tp_size=tp_size, components=components,

@@ -30,17 +30,24 @@
 
 #include <ATen/ops/empty.h>
 
+#include <iterator>
 #include <optional>
 
 namespace minivllm {
 namespace {
 
-// Projection kinds, as fast/model_runner.py numbers them.
-constexpr int64_t FLOAT_WEIGHT = 0;  // weight: (N, K) float32 / bf16
-constexpr int64_t INT8_WEIGHT = 1;   // qweight int8 (N, K), scales (N, G)
-constexpr int64_t INT4_WEIGHT = 2;   // qweight uint8 (N, K / 2), scales and mins (N, K / 32)
-constexpr int64_t INT8_W8A8 = 3;     // INT8_WEIGHT's tensors; int8 activations
-constexpr int64_t INT4_W4A8 = 4;     // INT4_WEIGHT's tensors; int8 activations
+// Projection kinds. This table is the only numbering: Python reads the names in this
+// order (decode_layers_kinds()) and passes each projection's index
+// (fast/linear_kernel.py decides the kind, fast/model_runner.py packs it).
+enum Kind : int64_t {
+  FLOAT_WEIGHT,  // "float": weight (N, K) float32 / bf16
+  INT8_WEIGHT,   // "w8a16": qweight int8 (N, K), scales (N, G)
+  INT4_WEIGHT,   // "w4a16": qweight uint8 (N, K / 2), scales and mins (N, K / 32)
+  INT8_W8A8,     // "w8a8": w8a16's tensors; int8 activations
+  INT4_W4A8,     // "w4a8": w4a16's tensors; int8 activations
+  NUM_KINDS
+};
+constexpr const char* KIND_NAMES[NUM_KINDS] = {"float", "w8a16", "w4a16", "w8a8", "w4a8"};
 constexpr int64_t TENSORS_PER_PROJECTION = 3;  // weight or qweight, scales, mins
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;   // qkv, o, gate_up, down
 
@@ -52,15 +59,15 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
     linear_small_m(y, x, t[0], std::nullopt, false);
     return;
   }
-  TORCH_CHECK(kind >= INT8_WEIGHT && kind <= INT4_W4A8, "decode_layers: unknown kind ", kind);
+  TORCH_CHECK(kind > FLOAT_WEIGHT && kind < NUM_KINDS, "decode_layers: unknown kind ", kind);
   at::Tensor out =
       y.scalar_type() == at::kFloat ? y : at::empty(y.sizes(), y.options().dtype(at::kFloat));
   if (kind == INT8_WEIGHT) {
     int8_linear(out, x, t[0], t[1], /*portable=*/false);
   } else if (kind == INT4_WEIGHT) {
     int4_linear(out, x, t[0], t[1], t[2], /*portable=*/false);
-  } else {  // W8A8 / W4A8: x to int8 per token and group of 32, as quantize_activations does
-    const int64_t m = x.size(0), groups = x.size(1) / 32;
+  } else {  // W8A8 / W4A8: x to int8 per token and group, as quantize_activations does
+    const int64_t m = x.size(0), groups = x.size(1) / ACT_GROUP_SIZE;
     at::Tensor qx = at::empty(x.sizes(), x.options().dtype(at::kChar));
     at::Tensor xs = at::empty({m, groups}, x.options().dtype(at::kFloat));
     at::Tensor xsum = at::empty({m, groups}, x.options().dtype(at::kFloat));
@@ -75,6 +82,12 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
 }
 
 }  // namespace
+
+std::vector<std::string> decode_layers_kinds() {
+  return std::vector<std::string>(std::begin(KIND_NAMES), std::end(KIND_NAMES));
+}
+
+int64_t act_group_size() { return ACT_GROUP_SIZE; }
 
 void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,

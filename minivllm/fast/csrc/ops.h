@@ -27,6 +27,11 @@
 
 namespace minivllm {
 
+// Input features per activation scale of W8A8 / W4A8 (quant_w8a8.cpp quantizes with it,
+// layer_stack.cpp sizes its buffers by it); act_group_size() lets a test check it against
+// the ref's ACT_GROUP_SIZE.
+constexpr int64_t ACT_GROUP_SIZE = 32;
+
 // Partial sums kept side by side in a reduction: one 512-bit vector of floats.
 constexpr int LANES = 16;
 
@@ -162,6 +167,9 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale,
                    at::TensorList k_scales, at::TensorList v_scales);
+// The projection kinds decode_layers takes, in the order of their numbers.
+std::vector<std::string> decode_layers_kinds();
+int64_t act_group_size();
 std::string cpu_parallel_mode(std::string_view name);
 std::vector<int64_t> cpu_team_stats();
 int64_t parallel_for_coverage(at::Tensor& counts, int64_t grain, int64_t throw_at,

@@ -62,7 +62,7 @@
 namespace minivllm {
 namespace {
 
-constexpr int64_t GROUP = 32;  // input features per activation scale
+constexpr int64_t GROUP = ACT_GROUP_SIZE;  // input features per activation scale (ops.h)
 constexpr int64_t TILE = 8;    // weight rows per tile (the lanes of a float vector)
 
 // One W8A8 matmul: what every tile reads and writes.

@@ -61,6 +61,10 @@ TORCH_LIBRARY(minivllm, m) {
       "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
       "int num_kv_heads, int head_dim, float scale, Tensor(e!)[] k_scales, "
       "Tensor(f!)[] v_scales) -> ()");
+  // decode_layers' projection kinds by name, index = the number `kinds` holds; and the
+  // activation group of W8A8 / W4A8 (both read by minivllm/fast/linear_kernel.py).
+  m.def("decode_layers_kinds() -> str[]", &minivllm::decode_layers_kinds);
+  m.def("act_group_size() -> int", &minivllm::act_group_size);
   // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   // Each token's own LoRA adapter delta, tokens grouped by adapter slot (lora.cpp).

@@ -1,18 +1,17 @@
-"""Course task: pipeline parallelism's layer split and one stage's forward.
+"""Pipeline parallelism's layer split and each stage's forward, against two oracles.
 
-Two oracles, neither of them the code under test:
+Neither oracle is the code under test:
 
 - the split rule, written out here from its statement (``L // P`` layers per
   stage, the ``L % P`` left over one each to the stages just before the last,
-  which also holds the LM head);
-- transformers: the stages' ``stage_forward`` chained one after another (each
-  stage its own layers and its own KV cache, over a prefill and a decode step)
-  must give transformers' logits, and what a stage hands on must add up to
-  transformers' residual stream after that stage's last layer.
+  which also holds the LM head), against :func:`minivllm.pp_stages.get_pp_indices`;
+- transformers: the stages' ``LlamaModel.forward`` chained one after another
+  (each stage its own layers and its own KV cache, over a prefill and a decode
+  step) must give transformers' logits, and what a stage hands on must add up
+  to transformers' residual stream after that stage's last layer.
 
-The stages are built by the model loader with the component under test
-(``backend.get("pipeline")``); an explicit partition checks uneven stages
-whatever the rule says.
+The stages are built by the model loader with the backend under test; an
+explicit partition checks uneven stages whatever the rule says.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ from conftest import hf_model
 
 from minivllm import backend
 from minivllm.metadata import AttentionMetadata
-
-pipeline = backend.get("pipeline")
+from minivllm.pp_stages import get_pp_indices
 
 BLOCK_SIZE = 4
 
@@ -43,12 +41,12 @@ def rule(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("num_layers", [1, 2, 3, 5, 7, 12, 30, 32, 61])
 def test_get_pp_indices_follows_the_rule(num_layers: int) -> None:
     for pp_size in range(1, min(num_layers, 9) + 1):
-        got = [tuple(pipeline.get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
+        got = [tuple(get_pp_indices(num_layers, r, pp_size)) for r in range(pp_size)]
         assert got == rule(num_layers, pp_size), f"{num_layers} layers on {pp_size} stages"
 
 
 def test_get_pp_indices_examples() -> None:
-    split = lambda L, P: [tuple(pipeline.get_pp_indices(L, r, P)) for r in range(P)]  # noqa: E731
+    split = lambda L, P: [tuple(get_pp_indices(L, r, P)) for r in range(P)]  # noqa: E731
     assert split(5, 3) == [(0, 2), (2, 4), (4, 5)]  # the last stage has the LM head: fewest
     assert split(30, 4) == [(0, 7), (7, 15), (15, 23), (23, 30)]  # SmolLM2 on 4 stages
     assert split(8, 1) == [(0, 8)]
@@ -107,7 +105,7 @@ def test_stages_chained_give_transformers_logits(tiny_model_dir, arch: str, num_
             hf_out = [hf(torch.tensor([s]), output_hidden_states=True) for s in seqs]
             sent = None
             for r, model in enumerate(stages):
-                out = pipeline.stage_forward(model.model, ids_t, pos_t, kv[r], md, sent)
+                out = model.model(ids_t, pos_t, kv[r], md, sent)
                 if r == pp_size - 1:
                     break
                 # What stage r sends: the residual stream after its last layer, in two parts.

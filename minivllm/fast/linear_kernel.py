@@ -1,0 +1,98 @@
+"""Which C++ kernel multiplies a projection's weight on a CPU: the one dispatch rule.
+
+A projection's weight is float32 / bf16, or an int8 / int4
+:class:`~minivllm.quantized_weight.QuantizedWeight` with float or int8
+activations. Two places need to know which C++ op multiplies it: the linear
+forward (:func:`minivllm.fast.linear.linear` and
+:func:`minivllm.fast.quantization.quantized_linear`, one projection at a
+time) and the C++ layer stack (:class:`minivllm.fast.model_runner.LayerStack`,
+which packs every projection of the model once and calls the same ops from
+C++). Both ask :func:`projection_kernel`, so they cannot drift apart: a
+weight the linear forward would send to the ref, the layer stack refuses.
+
+The kinds are named, never numbered here: ``layer_stack.cpp`` holds the one
+numbering and exports it (``torch.ops.minivllm.decode_layers_kinds()``, the
+names in index order); :func:`kind_numbers` reads it.
+
+A helper of the ``linear`` component's fast twin, with no ref twin: the ref
+has no kernels to choose between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.quantized_weight import QuantizedWeight
+
+__all__ = ["KINDS", "ProjectionKernel", "projection_kernel", "kind_numbers"]
+
+#: Every kind :func:`projection_kernel` returns: float32 / bf16 weights (the small-M
+#: GEMV), W8A16, W4A16 (dequantize in registers), W8A8, W4A8 (integer dot products).
+#: ``tests/test_linear_kernel.py`` checks that the C++ layer stack knows the same names.
+KINDS = ("float", "w8a16", "w4a16", "w8a8", "w4a8")
+
+
+@dataclass(frozen=True)
+class ProjectionKernel:
+    """The C++ kernel for one weight, and the tensors it reads.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        tensors: ``(weight, weight, weight)`` for a float weight, ``(qweight,
+            scales, scales)`` for int8 and ``(qweight, scales, mins)`` for
+            int4: three a projection, as the layer stack packs them (the
+            repeats are placeholders its kernels do not read).
+        max_rows: rows of ``x`` up to which this kernel beats the GEMM path
+            (dequantize, or the float weight as it is, then ``F.linear``); None
+            where the kernel serves any number of rows (W8A8 / W4A8: the integer
+            matmul is W8A8 throughout).
+    """
+
+    kind: str
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    max_rows: int | None
+
+
+def projection_kernel(weight: torch.Tensor | QuantizedWeight) -> ProjectionKernel | str:
+    """The :class:`ProjectionKernel` that multiplies ``weight``, or why none does (a string).
+
+    Where none does, the linear forward takes the ref's (or ``F.linear``'s)
+    path and the layer stack does not run. (Whether the fast twin multiplies a
+    quantized weight at all, its ``ops``, is the caller's business: the layer
+    stack checks it, ``quantized_linear`` is the fast twin.)
+    """
+    from minivllm.fast import cpu_ops
+    from minivllm.fast import linear as fast_linear
+    from minivllm.fast import quantization as fast_quantization
+
+    if isinstance(weight, QuantizedWeight):
+        q = weight.qweight
+        if q.dim() != 2 or weight.method not in ("int8", "int4"):
+            return f"a {weight.method} quantized weight of {q.dim()} dimensions"
+        if q.device.type != "cpu" or not cpu_ops.available():
+            return "a quantized weight off the CPU or without the C++ ops"
+        second = weight.scales if weight.method == "int8" else weight.mins
+        tensors = (q, weight.scales, second)
+        if weight.activations == "int8":  # integer dot products, any number of rows
+            return ProjectionKernel("w8a8" if weight.method == "int8" else "w4a8", tensors, None)
+        if weight.scales.dtype != torch.float32:  # the W8A16 / W4A16 kernels read float32
+            return "a float-activation quantized weight with float16 scales"
+        return ProjectionKernel("w8a16" if weight.method == "int8" else "w4a16", tensors,
+                                fast_quantization.GEMV_MAX_ROWS)
+    if weight.device.type != "cpu":  # every CUDA linear asks: no string formatting
+        return "a weight off the CPU"
+    if (weight.dim() != 2 or not weight.is_contiguous()
+            or weight.dtype not in (torch.float32, torch.bfloat16)):
+        return f"a {weight.dtype} {tuple(weight.shape)} weight"
+    if not cpu_ops.available():
+        return "the C++ ops did not build"
+    return ProjectionKernel("float", (weight, weight, weight), fast_linear.GEMV_MAX_ROWS)
+
+
+def kind_numbers() -> dict[str, int]:
+    """``kind -> the number decode_layers reads``, from the C++ layer stack's own table."""
+    from minivllm.fast import cpu_ops
+
+    return {name: i for i, name in enumerate(cpu_ops.ops().decode_layers_kinds())}
