@@ -51,7 +51,7 @@ def test_bad_sampling_value_is_a_clear_error(tiny_model_dir) -> None:
 
 
 def test_lora_modules_take_both_of_vllms_forms() -> None:
-    from minivllm.cli import parse_lora_module
+    from minivllm.entrypoints.openai.cli_args import parse_lora_module
 
     assert parse_lora_module("sql=/a/sql", "base") == ("sql", "/a/sql")
     assert parse_lora_module('{"name": "sql", "path": "/a/sql"}', "base") == ("sql", "/a/sql")
