@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from types import MappingProxyType
 
 from minivllm.entrypoints.openai.cli_args import add_serve_args, load_lora_modules
 from minivllm.entrypoints.openai.limits import ServingLimits
@@ -154,7 +155,7 @@ def _make_llm(args):
 
 #: The command line's own defaults, where neither a flag nor the model's generation
 #: config sets a value (greedy, unlike SamplingParams(): a command reads as an answer).
-_CLI_SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+_CLI_SAMPLING_DEFAULTS = MappingProxyType({"max_tokens": 128, "temperature": 0.0})
 
 
 def _params(args, model_defaults: dict):

@@ -64,6 +64,8 @@ FAST_SHARED_MODULES = {
     "cpu": "import-path backend: every kernel component's C++ path (minivllm.fast.cpu)",
     "triton": "import-path backend: every kernel component's Triton path (minivllm.fast.triton)",
     "cpu_ops": "builds and loads the C++ ops every kernel component's CPU path calls",
+    "cpp_build": "the one build lock every C++ build takes (the ops, a course task, a "
+                 "student's csrc/, tutorial 07)",
 }
 
 

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "minivllm.sampling_params", "minivllm.sampling_metadata", "minivllm.prefix_hash",
               "minivllm.dtype", "minivllm.profiler", "minivllm.outputs", "minivllm.distributed",
               "minivllm.tp_shards", "minivllm.pp_stages", "minivllm.quantized_weight",
+              "minivllm.hf_config",
               "minivllm.kv_quant",
               "minivllm.spec_decode", "minivllm.spec_decode.config",
               "minivllm.spec_decode.metadata", "minivllm.spec_decode.backoff",

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm import distributed
+from minivllm.fast.linear_kernel import FLOAT_GEMV_MAX_ROWS
 from minivllm.quantized_weight import QuantizedWeight
 from minivllm.tp_shards import (
     check_qkv_split,
@@ -81,8 +82,9 @@ __all__ = [
 SIMULATES_ALL_RANKS = False
 
 
-#: Token rows up to which a linear on a CPU runs the C++ GEMV (above: oneDNN/MKL).
-GEMV_MAX_ROWS = 16
+#: Token rows up to which a linear on a CPU runs the C++ GEMV (above: oneDNN/MKL); the
+#: dispatch rule's number (:mod:`minivllm.fast.linear_kernel`).
+GEMV_MAX_ROWS = FLOAT_GEMV_MAX_ROWS
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.fast import cpu_ops
-from minivllm.fast.linear_kernel import projection_kernel
+from minivllm.fast.linear_kernel import QUANT_GEMV_MAX_ROWS, projection_kernel
 from minivllm.ref import quantization as _ref
 from minivllm.ref.quantization import (  # noqa: F401  (re-exported: the ref's names)
     ACT_GROUP_SIZE,
@@ -71,13 +71,9 @@ __all__ = [
     "w8a8_matmul", "w4a8_matmul",
 ]
 
-#: Rows of ``x`` up to which the in-register kernels run; above it, dequantize + GEMM.
-#: Measured on a 2-core AVX2 EPYC (2 threads): at 64 rows the kernels took 3.3 ms
-#: against 6.7 ms for dequantize + GEMM on a 3072 x 576 int8 weight (51 against 191
-#: ms on the 49152 x 576 LM head, whose dequantized copy alone is 113 MB); about 128
-#: rows is where the two meet, and by 256-512 the GEMM wins. A batch-64 decode step
-#: therefore stays on the kernels; a prefill chunk takes the GEMM.
-GEMV_MAX_ROWS = 128
+#: Rows of ``x`` up to which the in-register kernels run; above it, dequantize + GEMM
+#: (the dispatch rule's number and its measurement: :mod:`minivllm.fast.linear_kernel`).
+GEMV_MAX_ROWS = QUANT_GEMV_MAX_ROWS
 
 
 def _dequantize_runs(weight: QuantizedWeight) -> bool:

@@ -28,6 +28,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from minivllm.sampling_params import SamplingParams
@@ -37,9 +38,9 @@ FILE_NAME = "generation_config.json"
 #: The named modes; anything else must be a folder holding :data:`FILE_NAME`.
 MODES = ("auto", "vllm")
 #: generation_config.json key -> SamplingParams field (vLLM's list).
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                 "max_new_tokens": "max_tokens"}
+SAMPLING_KEYS = MappingProxyType({
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"})
 
 
 def check_generation_config(value: Any) -> None:
