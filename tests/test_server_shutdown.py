@@ -53,3 +53,26 @@ def test_a_signal_ends_open_streams_with_an_error_and_the_server_exits(tiny_mode
         assert port_is_free(server.port)
     finally:
         server.stop(check=False)
+
+
+def test_a_stopped_in_process_server_lets_its_engine_go(tiny_model_dir):
+    """A process that starts servers one after another (a tutorial, the book build) must
+    not keep every stopped engine: fastapi's endpoint caches held them (the book build
+    grew to 20 GB)."""
+    import gc
+    import weakref
+
+    from minivllm import LLM
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.openai.api_server import ServerThread
+
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", max_model_len=128, backend="ref")
+    server = ServerThread.start(AsyncLLM(llm.llm_engine), "tiny")
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                   json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 200
+    engine = weakref.ref(llm.llm_engine)
+    server.stop()
+    del server, llm
+    gc.collect()
+    assert engine() is None

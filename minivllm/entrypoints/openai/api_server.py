@@ -207,6 +207,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         yield
         await llm.shutdown()  # fail what is in flight, stop tensor-parallel workers
         serving.close()
+        _forget_endpoints()
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
@@ -310,6 +311,21 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _forget_endpoints() -> None:
+    """Drop fastapi's caches of endpoint functions once a server has stopped.
+
+    fastapi (0.16x) classifies each endpoint in module-level ``lru_cache``s that hold the
+    function, and so its closure: this app's ``llm``, its engine, weights and KV cache.
+    A process that starts servers one after another (a tutorial, a benchmark, the book
+    build) would keep every stopped engine; clearing the caches lets them go.
+    """
+    from fastapi.dependencies import models
+
+    for value in vars(models).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 def _uvicorn_server(app: FastAPI, log_level: str, llm: AsyncLLM | None = None):
