@@ -341,12 +341,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as :func:`minivllm.entrypoints.chat_utils.render_chat` takes it."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        return out
+        """The message with its content as one string; :func:`~minivllm.entrypoints.
+        chat_utils.render_chat` picks the fields a template reads."""
+        return {**self.model_dump(exclude_none=True), "content": self.text()}
 
     def text(self) -> str:
         """The content as one string (text parts joined; other parts refused)."""
