@@ -278,11 +278,12 @@ def cmd_serve(args) -> int:
         engine.shutdown()
         raise SystemExit(f"minivllm serve: --lora-modules: {e}") from None
     llm = AsyncLLM(engine, max_waiting_requests=args.max_waiting_requests)
-    run_server(llm, args.served_model_name or args.model, host=args.host, port=args.port,
-               api_key=api_key or None, log_level=args.uvicorn_log_level, limits=limits,
-               api_key_all_paths=args.api_key_all_paths, lora_modules=adapters,
-               allow_lora_updates=args.allow_runtime_lora_updating, chat_templates=templates)
-    return 0
+    return run_server(llm, args.served_model_name or args.model, host=args.host,
+                      port=args.port, api_key=api_key or None,
+                      log_level=args.uvicorn_log_level, limits=limits,
+                      api_key_all_paths=args.api_key_all_paths, lora_modules=adapters,
+                      allow_lora_updates=args.allow_runtime_lora_updating,
+                      chat_templates=templates)
 
 
 def cmd_bench(args, rest: list[str]) -> int:

@@ -37,12 +37,10 @@ remembers its own loop, so one ``AsyncLLM`` serves from any event loop (two
 - **Abort.** ``abort(request_id)`` (or a consumer that stops iterating, e.g. a
   client that hung up) sends the id to the engine thread, which frees its KV
   blocks before its next step.
-- **Failure.** A failure that belongs to one request (the engine reports it
-  with ``finish_reason="error"``) reaches that request's consumer alone, as
-  :class:`RequestError`; the others go on. If a step raises (the forward
-  pass failed, a tensor-parallel worker died), every waiting request
-  receives :class:`EngineDeadError` and new requests are refused with it:
-  nobody waits forever.
+- **Failure.** A failure that belongs to one request (``finish_reason="error"``)
+  reaches its consumer alone, as :class:`RequestError`. If a step raises (a
+  rank died), every waiting request receives :class:`EngineDeadError`, new
+  ones are refused with it, and ``failed_at`` says when (the server exits).
 - **Structured outputs.** A request's constraint (a JSON schema, a regex...)
   is compiled on a thread of its own before the request is sent to the
   engine thread (:meth:`AsyncLLM.add_requests`), with the engine's time cap:
@@ -113,6 +111,7 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self.last_stats: StepStats | None = None
         self.error: EngineDeadError | None = None
+        self.failed_at: float | None = None  # time.monotonic() when a step raised
         self._stopping: asyncio.Future | None = None
         # Caller side: the requests in flight (added, not yet finished or aborted).
         self._streams: dict[str, RequestStream] = {}
@@ -341,6 +340,7 @@ class AsyncLLM:
             except Exception as e:
                 logger.exception("minivllm: the engine loop failed")
                 self.error = EngineDeadError(f"the engine failed: {e}")
+                self.failed_at = time.monotonic()
                 for group in self._routes.values():
                     for stream in group:
                         self._hand_over(stream, self.error)

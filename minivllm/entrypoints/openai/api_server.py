@@ -328,19 +328,41 @@ def _forget_endpoints() -> None:
             value.cache_clear()
 
 
+#: Seconds a server whose engine died keeps answering (every open stream ends with its
+#: error event, ``/health`` says 503) before it exits with status 1.
+DEAD_ENGINE_GRACE_S = 3.0
+
+
 def _uvicorn_server(app: FastAPI, log_level: str, llm: AsyncLLM | None = None):
-    """uvicorn's server; with ``llm``, SIGTERM / SIGINT first end what is in flight.
+    """uvicorn's server; with ``llm``, SIGTERM / SIGINT first end what is in flight,
+    and a dead engine ends the server.
 
     uvicorn's graceful shutdown waits for open connections (at most 5 s here) and then
     cuts them: a stream running longer would stop mid-way with no word of why. So the
     first signal fails every request in flight with an ``EngineDeadError`` naming it
     (each open stream sends that as its last event), and then lets uvicorn stop.
+
+    If the engine itself fails (a rank died: ``llm.failed_at`` is set), the server
+    cannot serve again, so, as vLLM's does, it stops :data:`DEAD_ENGINE_GRACE_S`
+    later and its ``exit_code`` is 1 (a supervisor restarts it); the executor has
+    already stopped the other ranks, and the shutdown reaps them.
     """
     import signal
 
     import uvicorn
 
     class Server(uvicorn.Server):
+        exit_code = 0
+
+        async def on_tick(self, counter: int) -> bool:
+            failed = None if llm is None else llm.failed_at
+            if failed is not None and time.monotonic() - failed > DEAD_ENGINE_GRACE_S:
+                if not self.exit_code:
+                    logger.error("minivllm serve: the engine died (%s); exiting", llm.error)
+                self.exit_code = 1
+                return True
+            return await super().on_tick(counter)
+
         def handle_exit(self, sig: int, frame) -> None:
             if llm is not None and llm.error is None:
                 llm.error = EngineDeadError(
@@ -359,8 +381,9 @@ def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: in
                api_key: str | None = None, log_level: str = "warning",
                limits: ServingLimits | None = None, api_key_all_paths: bool = False,
                lora_modules: dict | None = None, allow_lora_updates: bool = False,
-               chat_templates: ChatTemplates | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (blocking). Prints the URL once it listens."""
+               chat_templates: ChatTemplates | None = None) -> int:
+    """Serve until SIGINT/SIGTERM, or until the engine dies (blocking); return the exit
+    status (0, or 1 after a dead engine). Prints the URL once it listens."""
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths,
@@ -373,6 +396,7 @@ def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: in
               f"ignores them", flush=True)
     print(f"minivllm serve: {model_name!r} on {url} (OpenAI API at {url}/v1)", flush=True)
     server.run(sockets=[sock])
+    return server.exit_code
 
 
 @dataclass
