@@ -37,6 +37,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("distributed.py", "_WORLD_CONTROL_GROUP"): "the world-wide group workers wait on",
     ("distributed.py", "_STATS"): "where this rank's collectives are timed, given to "
                                   "init_distributed with the group (None: not timed)",
+    ("course/child.py", "_LIVE"): "the grader's running pytest children, so that a stopped "
+                                  "grader (SIGTERM, Ctrl-C) can kill their process groups",
     ("testing/pytest_plugin.py", "_TIMEOUT"): "the run's --test-timeout, set once when pytest "
                                               "configures the plugin",
 }

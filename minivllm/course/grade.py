@@ -32,14 +32,10 @@ system or Gradescope.
 from __future__ import annotations
 
 import ast
-import hashlib
-import hmac
 import importlib.util
 import json
 import os
-import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +43,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from minivllm.course.child import run_child
 from minivllm.course.manifest import TASKS, Task, get_task, nodeid_matches
 from minivllm.course.reports import (  # noqa: F401  (re-exported)
     TaskResult,
@@ -185,44 +182,6 @@ def _copy_extra_tests(extra_tests: list[str], into: Path) -> list[str]:
     return [str(r) for r in roots]
 
 
-def _read_events(path: Path, secret: bytes) -> tuple[list[dict], int]:
-    """The child's events, in order, and how many lines had a bad tag (forged)."""
-    events, forged = [], 0
-    if not path.exists():
-        return events, forged
-    for line in path.read_text(errors="replace").splitlines():
-        tag, _, body = line.partition(" ")
-        good = hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(tag, good):
-            forged += 1
-            continue
-        events.append(json.loads(body))
-    return events, forged
-
-
-def _run_child(cmd: list[str], env: dict, cwd: Path, tmp: Path, hard_timeout: float):
-    """One pytest child: returns (its events, forged lines, its output, killed?)."""
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(cmd + [f"--course-channel={read_fd}"], cwd=cwd, env=env,
-                            pass_fds=(read_fd,), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    os.close(read_fd)
-    # Only now, with the child running, make up the secret and the file's name.
-    secret = secrets.token_hex(32)
-    report = tmp / f"report-{secrets.token_hex(12)}.jsonl"
-    os.write(write_fd, f"{secret} {report}\n".encode())
-    os.close(write_fd)
-    killed = False
-    try:
-        output, _ = proc.communicate(timeout=hard_timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        killed = True
-    events, forged = _read_events(report, secret.encode())
-    return events, forged, output or "", killed
-
-
 def run_tests(package: str, tasks: list[Task], *, extra_tests: list[str] = (),
               pythonpath: list[str] = (), repo: Path = REPO_ROOT, stop_early: bool = False,
               test_timeout: float = TEST_TIMEOUT, timeout: float = 3600,
@@ -270,7 +229,7 @@ def run_tests(package: str, tasks: list[Task], *, extra_tests: list[str] = (),
                 done_file = tmp / f"done-{attempt}.txt"
                 done_file.write_text("\n".join(sorted(done)))
                 run_cmd.append(f"--course-done={done_file}")
-            events, forged, output, killed = _run_child(
+            events, forged, output, killed = run_child(
                 run_cmd, env, repo, tmp, max(deadline - time.monotonic(), 1.0))
             outputs.append(output)
             if forged:

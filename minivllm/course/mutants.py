@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from minivllm.course import child
 from minivllm.course.manifest import get_task
 from minivllm.course.student import make_student
 
@@ -258,7 +259,11 @@ def selfcheck(names: list[str] | None = None, tasks: list[str] | None = None, jo
         for mutant in chosen:
             build(mutant, Path(tmp))
         with ThreadPoolExecutor(jobs) as pool:
-            results = list(pool.map(lambda m: _check_one(m, tmp), chosen))
+            try:
+                results = list(pool.map(lambda m: _check_one(m, tmp), chosen))
+            except BaseException:  # Ctrl-C, SIGTERM: end the children, then the threads
+                child.stop_all()
+                raise
     for r in results:
         log(f"{'caught  ' if r.caught else 'SURVIVED'} {r.mutant.task:<18} {r.mutant.name:<32} "
             f"{r.seconds:5.1f}s  {r.evidence[:80]}")
