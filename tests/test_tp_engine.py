@@ -404,3 +404,34 @@ def test_course_package_without_linear_runs_tp2_in_one_process(tiny_model_dir, t
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "garbage-collected"])
+def test_an_llm_closed_or_dropped_stops_its_ranks(tiny_model_dir, how: str) -> None:
+    """Real rank processes (tp=2 with the fast linear layers): ``LLM.shutdown()``, or the
+    last reference to the ``LLM`` dropped, stops them all and frees the group's port."""
+    from minivllm import LLM, SamplingParams
+
+    spec = cpu_spec(**{n: "ref" for n, k in COMPONENTS.items() if k == "kernel"},
+                    linear="fast")
+    llm = LLM(str(tiny_model_dir("llama")), backend=spec, tensor_parallel_size=2,
+              dtype="float32", device="cpu", max_model_len=128)
+    executor = llm.llm_engine.executor
+    procs = list(executor.procs)
+    port = int(executor.ranks.init_method.rsplit(":", 1)[1])
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert len(procs) == 1 and procs[0].is_alive()
+    del executor, out
+    if how == "shutdown":
+        llm.shutdown()
+    else:
+        del llm
+        gc.collect()
+    deadline = time.monotonic() + 15
+    while not all(_gone(p.pid) or not p.is_alive() for p in procs):
+        assert time.monotonic() < deadline, "a rank outlived its LLM"
+        time.sleep(0.1)
+    assert [p.exitcode for p in procs] == [0]  # asked to exit, not killed
+    assert _port_is_free(port)
