@@ -413,10 +413,12 @@ class ServerThread:
     @classmethod
     def start(cls, llm: AsyncLLM, model_name: str, host: str = "127.0.0.1",
               api_key: str | None = None, timeout_s: float = 60.0,
-              limits: ServingLimits | None = None) -> ServerThread:
+              limits: ServingLimits | None = None,
+              lora_modules: dict | None = None) -> ServerThread:
         """Start serving on a free port of ``host``; return once it accepts requests."""
         sock = bind(host, 0)
-        server = _uvicorn_server(build_app(llm, model_name, api_key, limits), "warning")
+        server = _uvicorn_server(build_app(llm, model_name, api_key, limits,
+                                           lora_modules=lora_modules), "warning")
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                   name="minivllm-server", daemon=True)
         thread.start()
