@@ -71,3 +71,108 @@ def test_the_checker_sees_a_missing_function(tmp_path) -> None:
     cpp = tmp_path / "k.cpp"
     cpp.write_text("void decode_layers(at::Tensor& x,\n  int n) {\n}\nvoid g(int);\n")
     assert _defined_in_cpp(cpp, "decode_layers") and not _defined_in_cpp(cpp, "g")
+
+
+def _named_files() -> set[str]:
+    """Every ``.py`` file the section names, relative to ``minivllm/``."""
+    section = re.search(r"## Follow one decode step\n(.*?)\n## ", PAGE.read_text(), re.S)
+    names = re.findall(r"`(?:minivllm/)?([\w/]+\.py)(?::[\w.]+)?`", section.group(1))
+    return set(names)
+
+
+def test_a_traced_decode_step_follows_the_page(tiny_model_dir, backend_spec) -> None:
+    """One real decode step on the CPU with the fast backend (the page's path), traced
+    with ``sys.setprofile``: every minivllm module it enters is named on the page, and
+    every numbered Python hop below the loop (2 on) is entered."""
+    import os
+    import sys
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.fast import cpu_ops
+
+    if backend_spec != "fast":
+        pytest.skip("the page maps the fast backend's path: traced once, under --backend=fast")
+    if not cpu_ops.available():
+        pytest.skip("the C++ ops are not built: the page's path needs them")
+    llm = LLM(str(tiny_model_dir("llama")), backend="fast", device="cpu", dtype="float32",
+              max_model_len=128)
+    engine = llm.llm_engine
+    engine.add_request(None, [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=0.0))
+    engine.step()  # the prefill
+    engine.step()  # a first decode step: what is built once is built
+    root = os.path.dirname(sys.modules["minivllm"].__file__)
+    entered: dict[str, set[str]] = {}
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            path = os.path.relpath(frame.f_code.co_filename, root).replace(os.sep, "/")
+            entered.setdefault(path, set()).add(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        outputs = engine.step()
+    finally:
+        sys.setprofile(None)
+    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 3  # a decode step
+    unnamed = sorted(set(entered) - _named_files())
+    assert not unnamed, f"the step entered modules the page does not name: {unnamed}"
+    missed = [f"{path}:{name}" for path, name in hops(numbered_only=True)
+              if path.endswith(".py") and path != "minivllm/llm.py"
+              and name not in entered.get(path.removeprefix("minivllm/"), set())]
+    assert not missed, f"numbered hops the step did not enter: {missed}"
+
+
+#: A ``Request``'s state: the attributes that change while it lives.
+REQUEST_STATE = frozenset({"output_token_ids", "all_token_ids", "num_computed_tokens",
+                           "num_cached_tokens", "status", "stop_reason", "num_preemptions",
+                           "block_hashes", "spec_token_ids", "max_tokens"})
+#: Modules that write those names on something that is not a live engine request.
+NOT_A_REQUEST = {
+    "request.py": "the Request's own methods (check_stop, run by update_from_output)",
+    "bench/soak.py": "SoakResult.status",
+    "bench/sharing.py": "a benchmark that drives a scheduler by hand, with its own requests",
+    "engine/async_stream.py": "a stream delta's stop_reason",
+}
+#: Who changes a live Request today, as docs/architecture.md says.
+REQUEST_WRITERS = {"ref/scheduler.py", "scheduler_groups.py", "engine/output_processor.py",
+                   "engine/sequence_groups.py", "spec_decode/proposer.py"}
+
+
+def _writes_request_state(tree: ast.AST) -> bool:
+    """True if the module assigns one of :data:`REQUEST_STATE` on an object other than
+    ``self``, calls ``append_output_token_ids``, or edits such a list in place."""
+    def foreign(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in REQUEST_STATE
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self"))
+
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        if any(foreign(t) for target in targets for t in ast.walk(target)):
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "append_output_token_ids" or (
+                    node.func.attr in ("append", "extend", "clear", "pop", "insert")
+                    and foreign(node.func.value)):
+                return True
+    return False
+
+
+def test_the_page_names_who_changes_a_request() -> None:
+    root = ROOT / "minivllm"
+    writers = {str(f.relative_to(root)).replace("\\", "/") for f in root.rglob("*.py")
+               if _writes_request_state(ast.parse(f.read_text()))}
+    assert writers - set(NOT_A_REQUEST) == REQUEST_WRITERS, (
+        "the modules that change a live Request are not the ones docs/architecture.md "
+        "names: update the page and REQUEST_WRITERS together")
+    page = PAGE.read_text()
+    assert all(f"`{w}`" in page for w in REQUEST_WRITERS)
+
+
+def test_the_request_scan_sees_each_kind_of_write() -> None:
+    for source, writes in [("req.status = 1", True), ("self.status = 1", False),
+                           ("r.num_computed_tokens += 4", True),
+                           ("r.append_output_token_ids(3)", True),
+                           ("r.spec_token_ids.clear()", True), ("x = r.status", False),
+                           ("r.prompt_token_ids = []", False)]:
+        assert _writes_request_state(ast.parse(source)) is writes, source
