@@ -193,3 +193,32 @@ def test_cpp_layer_stack_steps_aside_for_long_prefills(tiny_model_dir, monkeypat
                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
     assert rows == [1]  # the prefill ran plainly, the one decode in the stack
+
+
+@needs_cpp
+@pytest.mark.parametrize("feature", ["n", "structured", "both"])
+def test_n_and_structured_outputs_stay_in_the_cpp_layer_stack(tiny_model_dir, monkeypatch,
+                                                               feature):
+    """Features the engine serves by default cost no fast path: every step of a batch-1
+    request with ``n`` > 1 (its siblings fork child 0's blocks) or a grammar (masks are
+    applied to the logits, after the forward) runs in one C++ call, and no layer's own
+    forward runs."""
+    from minivllm import StructuredOutputsParams
+
+    llm = LLM(str(tiny_model_dir("llama", num_hidden_layers=2)), backend="fast",
+              dtype="float32", device="cpu")
+    rows = _stack_rows(monkeypatch)
+    eager: list[int] = []
+    forward = LlamaDecoderLayer.forward
+    monkeypatch.setattr(LlamaDecoderLayer, "forward",
+                        lambda self, *a, **k: eager.append(1) or forward(self, *a, **k))
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True,
+                            n=3 if feature in ("n", "both") else 1,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{4,12}")
+                            if feature in ("structured", "both") else None)
+    out = llm.generate([{"prompt_token_ids": [3, 1, 4, 1, 5]}], params, use_tqdm=False)
+    assert len(out[0].outputs) == params.n
+    assert eager == [], "a step left the C++ layer stack"
+    assert rows and rows[0] == 5  # the prefill, in the stack too (5 rows)
+    num_decode_tokens = sum(len(c.token_ids) for c in out[0].outputs) - params.n
+    assert sum(rows) - 5 == num_decode_tokens  # every decode token's row in the stack
