@@ -88,3 +88,28 @@ def test_cpu_parallel_modes_are_measured_in_one_run(tiny_model_dir, tmp_path, ca
     if "fast" in paths:  # the tiny model takes the fast path on a CPU with the C++ ops
         assert "fast/openmp" in paths and "threads: adaptive decodes" in text
     assert cpu_ops.ops().cpu_parallel_mode("") == before
+
+
+def test_fast_and_plain_paths_alternate_and_report_their_spread(tiny_model_dir, tmp_path,
+                                                                monkeypatch):
+    """``--num-iters 3``: fast, plain, plain, fast, fast, plain (each round starts at the
+    next path), every figure the median of its path's runs, the decode spread beside it."""
+    import json
+
+    from minivllm.engine.worker import Worker
+
+    built: list[bool] = []
+    build = Worker.build_model_runner
+    monkeypatch.setattr(Worker, "build_model_runner",
+                        lambda self, enforce_eager: built.append(enforce_eager)
+                        or build(self, enforce_eager))
+    out = tmp_path / "latency.json"
+    assert latency.main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32",
+                         "--device", "cpu", "--backend", "fast", "--input-len", "8",
+                         "--output-len", "4", "--num-iters", "3", "--no-profile",
+                         "--out", str(out)]) == 0
+    paths = json.loads(out.read_text())["results"][0]["paths"]
+    timed = built[2:-1]  # after the engine's own build and the first "fast" build, before
+    if "fast" in paths:  # the last rebuild: the timed runs' builds, in order
+        assert timed == [False, True, True, False, False, True]
+    assert all(0 <= p["decode_spread"] and p["decode_ms_per_step"] > 0 for p in paths.values())

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from minivllm.bench import soak
-from minivllm.bench.soak import SoakResult
+from minivllm.bench import _soak as soak
+from minivllm.bench._soak import SoakResult
 
 
 def test_the_mix_is_seeded_and_has_its_proportions():

@@ -50,12 +50,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
 import time
 from pathlib import Path
 
+from minivllm.bench._alternate import alternate, figures
 from minivllm.bench.harness import busy_core, describe_machine, machine
 from minivllm.profiler import Profiler
 
@@ -188,19 +190,23 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
     # "fast/<mode>", measured one after the other in this run.
     modes = args.cpu_parallel if uses_cpu_ops(engine) else [None]
     runs_of = [(p, m) for p in paths for m in (modes if p == "fast" else [None])]
-    for path, mode in runs_of:
+
+    def one_run(path: str, mode: str | None) -> dict:
         worker.build_model_runner(enforce_eager=path == "plain")
         with cpu_parallel_mode(mode or modes[0]):
-            runs = [time_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)]
-        if mode is not None and mode != modes[0]:
-            path = f"fast/{mode}"
-        decode_ms = sorted(1000 * r.decode_s / max(len(r.decode_steps_s), 1) for r in runs)
-        result["paths"][path] = dict(
-            ttft_ms=sorted(1000 * r.ttft_s for r in runs)[len(runs) // 2],
-            decode_ms_per_step=decode_ms[len(decode_ms) // 2],
-            latency_s=sorted(r.total_s for r in runs)[len(runs) // 2],
-            host_ms=sorted(1000 * r.host_s for r in runs)[len(runs) // 2],
-        )
+            r = time_batch(llm, prompts, args.output_len)
+        return dict(ttft_ms=1000 * r.ttft_s, latency_s=r.total_s, host_ms=1000 * r.host_s,
+                    decode_ms_per_step=1000 * r.decode_s / max(len(r.decode_steps_s), 1))
+
+    # The paths alternate (fast, plain, fast, ...: minivllm.bench._alternate), so that a
+    # slow minute of a shared machine hits both; each figure is the median of its runs.
+    names = {(p, m): f"fast/{m}" if m is not None and m != modes[0] else p for p, m in runs_of}
+    runs = alternate({names[k]: functools.partial(one_run, *k) for k in runs_of},
+                     args.num_iters)
+    for path, rows in runs.items():
+        figs = figures(rows)
+        result["paths"][path] = {k: f.median for k, f in figs.items()}
+        result["paths"][path]["decode_spread"] = figs["decode_ms_per_step"].spread
     worker.build_model_runner(enforce_eager=False)
     if not args.no_profile:
         kernels = kernel_seconds_per_decode_step(llm, prompts, args.output_len)
@@ -241,7 +247,8 @@ def format_table(results: list[dict], args) -> str:
     load = "; one core kept busy by another process" if args.busy_core else ""
     lines = [f"minivllm bench latency: {args.model}, batch {args.batch_size}, "
              f"{args.input_len} prompt + {args.output_len} output tokens, median of "
-             f"{args.num_iters}; {describe_machine()}{load}",
+             f"{args.num_iters} alternated runs per path (decode ±spread; over 15% is noisy); "
+             f"{describe_machine()}{load}",
              f"{'dtype':<10}{'quant':<7}{'path':<14}{'TTFT ms':>9}{'decode ms/tok':>15}"
              f"{'decode tok/s':>14}{'latency s':>11}{'host ms':>9}{'kernels ms':>12}"
              f"{'outside kern. ms':>18}"]
@@ -251,7 +258,7 @@ def format_table(results: list[dict], args) -> str:
             outside = r.get("outside_kernels_ms")
             lines.append(
                 f"{res['dtype']:<10}{res['quantization'] or '-':<7}{path:<14}{r['ttft_ms']:>9.1f}"
-                f"{r['decode_ms_per_step']:>15.2f}"
+                f"{r['decode_ms_per_step']:>10.2f}±{r.get('decode_spread', 0):<4.0%}"
                 f"{1000 * args.batch_size / r['decode_ms_per_step']:>14.1f}"
                 f"{r['latency_s']:>11.2f}{r['host_ms']:>9.2f}"
                 f"{'' if kern is None else f'{kern:.2f}':>12}"

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo", type=float, default=2.0,
                    help="p99 TTFT target (s) for the highest sustainable rate")
     p.add_argument("--soak", type=float, default=None, metavar="SECONDS",
-                   help="soak mode (minivllm.bench.soak): measure capacity, then a Poisson "
+                   help="soak mode (minivllm.bench._soak): measure capacity, then a Poisson "
                         "load at --soak-fraction of it for SECONDS (e.g. 600), with hang-ups, "
                         "n=2, structured outputs and LoRA adapters; latency and RSS over time")
     p.add_argument("--soak-fraction", type=float, default=0.8)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/bench_serve.json")
     args = p.parse_args(argv)
     if args.soak is not None:
-        from minivllm.bench.soak import main_soak
+        from minivllm.bench._soak import main_soak
 
         return main_soak(args)
     if args.compare_offline and args.base_url:

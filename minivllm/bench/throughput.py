@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gen-len", type=int, default=64)
     g.add_argument("--prefill-len", type=int, default=4096, help="0 skips pp / tg")
     g.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    g.add_argument("--repeats", type=int, default=3,
+                   help="alternated runs of each side; medians and spreads are reported")
     p.add_argument("--out", default="results/bench_throughput.json")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--busy-core", action="store_true",
@@ -228,7 +230,7 @@ def _run(args) -> int:
 
     model_dir = resolve_model_path(args.model)
     if args.compare == "llamacpp":
-        from minivllm.bench.llamacpp import compare
+        from minivllm.bench._vs_llamacpp import compare
 
         return compare(args, model_dir)
     if args.compare == "llamacpp-python":  # fail now, not after the long minivllm run
