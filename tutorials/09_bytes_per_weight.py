@@ -210,6 +210,41 @@ for name, _, _, _ in runs:
           f"{greedy_agreement(argmax, base_argmax):12.1%}")
 
 # %% [markdown]
+# llama.cpp's own batch-1 decode, where its tools are built
+# ----------------------------------------------------------
+#
+# The yardstick of :doc:`/benchmarks` is llama.cpp's own ``llama-bench`` on the same
+# weights (F32, BF16, Q8_0 and the shipped Q4_1). Where its tools are built
+# (``minivllm bench llamacpp --build DIR``, about 4 minutes, then
+# ``MINIVLLM_LLAMACPP_DIR=DIR``), this cell runs ``tg32`` on each file with our
+# thread count; elsewhere (the book's build machine) it says so and the figure
+# shows minivllm's points alone.
+
+# %%
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from minivllm.bench.llamacpp import find_gguf, find_tool, gguf_variants, llama_bench  # noqa: E402
+from minivllm.model.loader import resolve_model_path  # noqa: E402
+
+llamacpp_tok_s = {}  # our format's name -> llama.cpp's decode tok/s on the same weights
+build_dir = os.environ.get("MINIVLLM_LLAMACPP_DIR")
+try:
+    find_tool("llama-bench", build_dir)
+    find_tool("llama-quantize", build_dir)
+except SystemExit:
+    print("llama.cpp's tools are not built here: the figure shows minivllm alone")
+else:
+    files = gguf_variants(find_gguf("smollm2", resolve_model_path("smollm2")),
+                          Path(build_dir or ".") / "gguf", build_dir)
+    for name, fmt in {"float32": "F32", "bfloat16": "BF16", "int8 W8A8": "Q8_0",
+                      "Q4_1 A8": "Q4_1"}.items():
+        llamacpp_tok_s[name] = llama_bench(files[fmt], 0, 32, torch.get_num_threads(), 1,
+                                           build_dir)["tg32"]
+        print(f"llama.cpp {fmt}: {llamacpp_tok_s[name]:.1f} decode tok/s "
+              f"(minivllm {name}: {decode_tok_s[name] / llamacpp_tok_s[name]:.2f}x)")
+
+# %% [markdown]
 # 5 · The figure
 # --------------
 #
@@ -227,6 +262,9 @@ ax.plot(names, roof, "o", color="tab:red", label="roofline (bandwidth / bytes)")
 for (kv, roofs), marker in zip(roofline_4k.items(), ("v", "^")):  # + a 4k-token KV cache
     ax.plot(names, [roofs[r[3]] for r in runs], marker,
             color="tab:gray", fillstyle="none", label=f"roofline at {context} tokens, {kv}")
+if llamacpp_tok_s:  # llama.cpp's own decode on the same weights, where built
+    ax.plot(list(llamacpp_tok_s), list(llamacpp_tok_s.values()), "kx", markersize=9,
+            label="llama.cpp (llama-bench tg32)")
 ax.set_ylabel("tokens / s at batch 1")
 ax.set_yscale("log")
 ax.set_title(f"SmolLM2-135M decode on a CPU ({read_gbs:.0f} GB/s read)")
@@ -246,7 +284,9 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # (bars, log scale), beside the roofline that this machine's read bandwidth and
 # the format's weight bytes per token allow (dots; the hollow triangles: the same
 # roofline once each step also reads a 4,096-token KV cache, in float32 or in int8
-# with its scales). Look at the gap between each
+# with its scales). Black crosses, where llama.cpp's tools are built: llama.cpp's own
+# batch-1 decode on the same weights (the book's build machine has none, so its copy
+# of the figure shows minivllm alone). Look at the gap between each
 # bar and its dot, and at whether the bars grow as the bytes shrink. Where a bar
 # sits far below its dot, the weight reads are not what the step waits on: at 135M
 # parameters they take only milliseconds, and the rest (attention, norms, per-op
@@ -268,6 +308,24 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # the kernels are in :doc:`/quantization`, "W8A8"). That is why llama.cpp quantizes the
 # activations of every quantized matmul, and why minivllm makes int8 activations the
 # default wherever they cost under 1% perplexity.
+#
+# **VNNI and AMX.** Which integer instructions a CPU has sets how far that goes, and
+# the kernels choose at run time from ``/proc/cpuinfo`` (the cell below prints this
+# machine's flags). Plain AVX2 multiplies int8 pairs with ``vpmaddubsw`` and
+# ``vpmaddwd``, two instructions and an add into int32; AVX512-VNNI and AVX-VNNI fuse
+# them into one ``vpdpbusd`` (64 multiply-adds per 512-bit instruction, four times
+# an fp32 FMA's). Both read one operand as unsigned bytes and one as signed, so for
+# int8 weights the kernels use llama.cpp's trick: ``|x|`` unsigned, ``w * sign(x)``
+# signed, whose product is ``x * w`` (``minivllm/fast/csrc/quant_w8a8.cpp``). AMX (Intel's
+# Sapphire Rapids and later, flag ``amx_int8``) goes further: a ``tdpbssd`` multiplies
+# a 16x64 int8 tile by a 64x16 one into a 16x16 int32 tile, 16,384 multiply-adds in
+# one instruction, for batches large enough to fill its tiles. At batch 1 none of
+# them matters: the bytes do.
+
+# %%
+from minivllm.bench.harness import cpu_flags  # noqa: E402
+
+print("this CPU's kernel flags:", " ".join(cpu_flags()) or "none of them")
 
 # %% [markdown]
 # What you built

@@ -27,7 +27,7 @@ import torch
 
 #: CPU flags that change which kernels run (the C++ ops dispatch on them).
 KERNEL_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
-                    "avx_vnni")
+                    "amx_int8", "avx_vnni")
 
 
 def median_ms(fn: Callable[[], object], repeats: int | None = None) -> float:
