@@ -33,7 +33,7 @@ def test_step_stats_time_the_step_and_its_forward(tiny_model_dir):
 
 
 def test_busy_core_runs_a_process_and_stops_it():
-    from minivllm.bench.harness import busy_core
+    from minivllm.bench._harness import busy_core
 
     with busy_core() as proc:
         assert proc.poll() is None  # running

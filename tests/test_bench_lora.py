@@ -27,7 +27,7 @@ def test_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path):
     back by the engine's reader with every module at its rank."""
     from transformers import AutoConfig
 
-    from minivllm.bench import lora_e2e
+    from minivllm.bench import _lora_e2e as lora_e2e
     from minivllm.lora.peft_format import load_adapter
     from minivllm.lora.request import LoRARequest
 

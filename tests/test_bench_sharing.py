@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from minivllm.bench import sharing, sharing_e2e
+from minivllm.bench import _sharing_e2e as sharing_e2e
+from minivllm.bench import sharing
 from minivllm.config import cdiv
 
 

@@ -89,7 +89,7 @@ def test_a_short_soak_of_a_real_server(tiny_model_dir, backend_spec, tmp_path):
     """Two seconds at 80% of capacity, with n=2, regex, an adapter and hang-ups in the
     mix: every answer arrives, nothing leaks, the greedy answer holds."""
     from minivllm import LLM
-    from minivllm.bench.lora_e2e import write_random_adapter
+    from minivllm.bench._lora_e2e import write_random_adapter
     from minivllm.engine.async_llm import AsyncLLM
     from minivllm.entrypoints.openai.api_server import ServerThread
     from minivllm.entrypoints.openai.cli_args import load_lora_modules
@@ -113,3 +113,15 @@ def test_a_short_soak_of_a_real_server(tiny_model_dir, backend_spec, tmp_path):
     assert report["greedy_before"] == report["greedy_after"]
     assert len(report["windows"]) >= 2
     assert set(report["targets"]) == set(soak.verdict(report["windows"], [], 0, True))
+
+
+def test_python_m_minivllm_bench_lists_only_benchmarks():
+    """Every name it offers has a ``main``; the helpers are private (``_name``)."""
+    import importlib
+
+    from minivllm.bench.__main__ import available
+
+    names = available()
+    assert "serve" in names and "latency" in names
+    assert all(callable(getattr(importlib.import_module(f"minivllm.bench.{n}"), "main", None))
+               for n in names), names

@@ -199,7 +199,7 @@ def test_smollm2_with_generated_adapters_matches_peft(smollm2_dir, tmp_path):
     from transformers import AutoConfig
 
     from minivllm import LLM
-    from minivllm.bench.lora_e2e import write_random_adapter
+    from minivllm.bench._lora_e2e import write_random_adapter
 
     cfg = AutoConfig.from_pretrained(smollm2_dir, local_files_only=True)
     adapters = {f"gen{i}": write_random_adapter(tmp_path / f"gen{i}", cfg, rank=16, seed=i)

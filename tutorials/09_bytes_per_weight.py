@@ -323,7 +323,7 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # them matters: the bytes do.
 
 # %%
-from minivllm.bench.harness import cpu_flags  # noqa: E402
+from minivllm.bench._harness import cpu_flags  # noqa: E402
 
 print("this CPU's kernel flags:", " ".join(cpu_flags()) or "none of them")
 

@@ -237,7 +237,7 @@ print("saved 12_sharing_saving.png")
 
 # %%
 from minivllm import LLM  # noqa: E402
-from minivllm.bench.sharing_e2e import beam_rows, parallel_rows, print_table  # noqa: E402
+from minivllm.bench._sharing_e2e import beam_rows, parallel_rows, print_table  # noqa: E402
 
 kw = dict(max_model_len=160, block_size=16)
 llm_plain = LLM("smollm2", enable_prefix_caching=False, **kw)

@@ -284,7 +284,7 @@ def main_soak(args) -> int:
     from pathlib import Path
 
     from minivllm import LLM
-    from minivllm.bench.lora_e2e import write_random_adapter
+    from minivllm.bench._lora_e2e import write_random_adapter
     from minivllm.engine.async_llm import AsyncLLM
     from minivllm.entrypoints.openai.api_server import ServerThread
     from minivllm.entrypoints.openai.cli_args import load_lora_modules

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from minivllm.bench._alternate import Figure, alternate, as_json, figures
-from minivllm.bench.harness import describe_machine, machine, median_ms, read_bandwidth
+from minivllm.bench._harness import describe_machine, machine, median_ms, read_bandwidth
 from minivllm.bench.llamacpp import (
     MATCHING,
     batched_bench,

@@ -57,7 +57,7 @@ from types import MappingProxyType
 
 import torch
 
-from minivllm.bench.harness import (
+from minivllm.bench._harness import (
     copy_bandwidth,
     dtype_name,
     max_abs_err,

@@ -16,7 +16,7 @@ one run, on one model (default SmolLM2-135M, float32 on a CPU):
   write (a decode step's time does not depend on the values, and a 16 x 4096
   prefill would take far longer than the measurement);
 - **quality** (``--ppl``): perplexity of the model over
-  :data:`~minivllm.bench.long_text.LONG_TEXT` (about 1,100 tokens, one prefill)
+  :data:`~minivllm.bench._long_text.LONG_TEXT` (about 1,100 tokens, one prefill)
   with the cache stored each way, against ``auto``
   (:func:`minivllm.bench.quality.perplexity`).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.harness import describe_machine, machine, median_ms, read_bandwidth
+from minivllm.bench._harness import describe_machine, machine, median_ms, read_bandwidth
 
 FORMATS = ("auto", "int8", "fp8")
 
@@ -113,7 +113,7 @@ def bench_format(model: str, dtype: torch.dtype, kv_cache_dtype: str, context: i
 
 def bench_perplexity(model: str, dtype: torch.dtype, formats, backend: str) -> dict:
     """Perplexity over LONG_TEXT with the cache stored in each format."""
-    from minivllm.bench.long_text import LONG_TEXT
+    from minivllm.bench._long_text import LONG_TEXT
     from minivllm.bench.quality import perplexity
 
     worker = _worker(model, dtype, "auto", backend)

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 from minivllm.bench._alternate import alternate, figures
-from minivllm.bench.harness import busy_core, describe_machine, machine
+from minivllm.bench._harness import busy_core, describe_machine, machine
 from minivllm.profiler import Profiler
 
 #: The op-table categories that are model kernels (the sampler is host work here).
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare speculative decoding with this config (vLLM's dict, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}') against "
                         "plain decoding on a grounded and a random workload instead "
-                        "(minivllm/bench/spec_latency.py)")
+                        "(minivllm/bench/_spec_latency.py)")
     p.add_argument("--spec-batch-sizes", type=int, nargs="+", default=[1, 64],
                    help="batch sizes of the --speculative-config comparison")
     p.add_argument("--spec-workloads", nargs="+", default=["grounded", "random"],
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     if args.speculative_config is not None:
-        from minivllm.bench import spec_latency
+        from minivllm.bench import _spec_latency as spec_latency
 
         return spec_latency.run(args)
     with busy_core(args.busy_core):

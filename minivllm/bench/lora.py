@@ -23,7 +23,7 @@ The delta's arithmetic is ``2 * T * r * sum(in + out_i)`` flops over the seven s
 
 The end-to-end part (``--e2e``: B = 1 and 64 requests with 1 / 4 / 8 adapters
 against the base model, through ``LLM(..., enable_lora=True)``) is
-:mod:`minivllm.bench.lora_e2e`.
+:mod:`minivllm.bench._lora_e2e`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def delta_flops(num_tokens: int, rank: int) -> int:
 def time_layer(layer: dict, num_tokens: int, num_adapters: int, dtype: torch.dtype,
                device: str) -> dict:
     """Median ms of one layer's delta by the ref and the fast twin, and of its base GEMMs."""
-    from minivllm.bench.harness import median_ms as _bench
+    from minivllm.bench._harness import median_ms as _bench
     from minivllm.fast import linear as fast_linear
     from minivllm.fast import lora as fast_lora
     from minivllm.lora.mapping import LoRAMapping
@@ -122,8 +122,8 @@ def run(rank: int = 16, dtype: torch.dtype = torch.float32, device: str = "cpu",
 # ----------------------------------------------------------------- LEAD: end-to-end hook
 def end_to_end(args: argparse.Namespace) -> list[dict]:
     """B = 1 and B = 64 requests with 1 / 4 / 8 adapters against the base model
-    (:mod:`minivllm.bench.lora_e2e`)."""
-    from minivllm.bench import lora_e2e
+    (:mod:`minivllm.bench._lora_e2e`)."""
+    from minivllm.bench import _lora_e2e as lora_e2e
 
     return lora_e2e.run(args.model, rank=args.rank, output_len=args.output_len)
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--e2e", action="store_true",
                    help="also the end-to-end rows: LLM.generate with B = 1, 64 and 1 / 4 / 8 "
-                        "adapters against the base model (minivllm.bench.lora_e2e)")
+                        "adapters against the base model (minivllm.bench._lora_e2e)")
     p.add_argument("--model", default="smollm2", help="--e2e: the base model")
     p.add_argument("--output-len", type=int, default=32, help="--e2e: tokens per request")
     args = p.parse_args(argv)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.harness import median_ms
+from minivllm.bench._harness import median_ms
 
 
 def _rowloop_paged_attention(query, k_cache, v_cache, metadata, scale):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from minivllm import kv_quant
-from minivllm.bench.long_text import LONG_TEXT  # noqa: F401  (re-exported)
+from minivllm.bench._long_text import LONG_TEXT  # noqa: F401  (re-exported)
 from minivllm.config import cdiv
 from minivllm.metadata import AttentionMetadata
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m minivllm.bench quality [--model M] [--dtype D] [--quantization Q ...]``."""
     import argparse
 
-    from minivllm.bench.harness import describe_machine
+    from minivllm.bench._harness import describe_machine
     from minivllm.dtype import DTYPES
 
     p = argparse.ArgumentParser(prog="python -m minivllm.bench quality", description=__doc__,

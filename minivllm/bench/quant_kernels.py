@@ -11,7 +11,7 @@ op cycles through enough copies of the weight to fill :data:`COLD_BYTES`
 (more than the L3), and the time per call is one pass over all copies
 divided by their number. GB/s counts the quantized bytes read (integers +
 scales + minimums) per call; the fraction is of the read bandwidth measured
-in the same run (``bench.harness.read_bandwidth``). The ref column is the ref
+in the same run (``bench._harness.read_bandwidth``). The ref column is the ref
 twin's ``quantized_linear`` on the same (warm) weight.
 
 :func:`bench_w8a8` puts W8A8 beside W8A16 on the same weights: the integer
@@ -38,7 +38,7 @@ SHAPES = ((1728, 576), (3072, 576), (576, 1536), (49152, 576))
 def bench_quant_gemv(read_bw: float, shapes=SHAPES, methods=("int8", "int4"),
                      m: int = 1, cold_bytes: int = COLD_BYTES) -> list[dict]:
     """One row per (method, shape): the C++ quantized GEMV's ms, GB/s and read fraction."""
-    from minivllm.bench.harness import max_abs_err, median_ms, speedup_row
+    from minivllm.bench._harness import max_abs_err, median_ms, speedup_row
     from minivllm.fast import cpu_ops
     from minivllm.ref import quantization as ref
 
@@ -99,7 +99,7 @@ def _fastest_in_turns(fns: list, rounds: int = 7) -> list[float]:
 def bench_w8a8(shapes=SHAPES, methods=("int8", "int4"), ms=(1, 64),
                cold_bytes: int = COLD_BYTES, isa: str = "auto") -> list[dict]:
     """One row per (method, shape, M): the W8A16 kernel (ref column) against W8A8 (fast)."""
-    from minivllm.bench.harness import max_abs_err, speedup_row
+    from minivllm.bench._harness import max_abs_err, speedup_row
     from minivllm.fast import cpu_ops
     from minivllm.ref import quantization as ref
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m minivllm.bench quant_kernels [--threads T] [--m M] [--w8a8]``: these rows."""
     import argparse
 
-    from minivllm.bench.harness import read_bandwidth
+    from minivllm.bench._harness import read_bandwidth
 
     p = argparse.ArgumentParser(prog="python -m minivllm.bench quant_kernels",
                                 description=__doc__,
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from minivllm.bench.harness import describe_machine
+    from minivllm.bench._harness import describe_machine
 
     print(f"{describe_machine()}, {torch.get_num_threads()} threads")
     if args.w8a8:

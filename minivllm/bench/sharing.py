@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m minivllm.bench sharing",
         description="Parallel sampling and beam search on a real model, shared by fork against "
-                    "independent requests (minivllm.bench.sharing_e2e); with --simulate, the "
+                    "independent requests (minivllm.bench._sharing_e2e); with --simulate, the "
                     "component-level simulation of the paper's memory experiment (no model).")
     parser.add_argument("--simulate", action="store_true",
                         help="the simulation: blocks only, no model (fast)")
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
     args = parser.parse_args(argv)
     if not args.simulate:
-        from minivllm.bench import sharing_e2e
+        from minivllm.bench import _sharing_e2e as sharing_e2e
 
         rows = sharing_e2e.run(args.model, args.prompt_len or 512, args.output_len or 64,
                                args.ns, args.beam_widths, args.backend, args.dtype,

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.bench.harness import describe_machine
+from minivllm.bench._harness import describe_machine
 
 
 def make_workload(num_requests: int, input_range: tuple[int, int],
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure (both engines, with --compare) while another process keeps "
                         "one core busy, started and stopped here: a laptop is never idle")
     args = p.parse_args(argv)
-    from minivllm.bench.harness import busy_core
+    from minivllm.bench._harness import busy_core
 
     with busy_core(args.busy_core):
         return _run(args)
