@@ -223,7 +223,7 @@ def _require_group() -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             f"tensor parallelism with tp_size={_TP_SIZE} needs init_distributed() in every rank "
-            "(minivllm.engine.multiproc_executor.MultiprocExecutor does it)"
+            "(minivllm.executor.multiproc_executor.MultiprocExecutor does it)"
         )
 
 

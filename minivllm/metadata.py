@@ -188,12 +188,12 @@ class StepInput:
 
     The engine builds it from a :class:`SchedulerOutput`
     (:meth:`from_scheduler_output`); each rank's
-    :class:`~minivllm.engine.worker.Worker` first applies the block-table
+    :class:`~minivllm.worker.worker.Worker` first applies the block-table
     changes to its own table (drop ``removed_req_ids``, add a row for each of
     ``new_req_ids``, append ``new_block_ids``), then builds the step's
     :class:`ModelInput` (block tables and slot mapping from that table).
     Under tensor parallelism this object is what goes over the wire
-    (:mod:`minivllm.engine.wire`), so its size does not grow with the
+    (:mod:`minivllm.executor.wire`), so its size does not grow with the
     requests' lengths, only with what changed.
 
     Attributes:
@@ -383,7 +383,7 @@ class AttentionMetadata:
 class ModelInput:
     """Everything one forward pass needs, on one rank's device.
 
-    Each rank's :class:`~minivllm.engine.worker.Worker` builds it from a
+    Each rank's :class:`~minivllm.worker.worker.Worker` builds it from a
     :class:`StepInput` and its own block table, once per step.
 
     Attributes:

@@ -129,7 +129,7 @@ REQUEST_STATE = frozenset({"output_token_ids", "all_token_ids", "num_computed_to
 #: Modules that write those names on something that is not a live engine request.
 NOT_A_REQUEST = {
     "request.py": "the Request's own methods (check_stop, run by update_from_output)",
-    "bench/soak.py": "SoakResult.status",
+    "bench/_soak.py": "SoakResult.status",
     "bench/sharing.py": "a benchmark that drives a scheduler by hand, with its own requests",
     "engine/async_stream.py": "a stream delta's stop_reason",
 }

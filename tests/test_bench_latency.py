@@ -96,7 +96,7 @@ def test_fast_and_plain_paths_alternate_and_report_their_spread(tiny_model_dir, 
     next path), every figure the median of its path's runs, the decode spread beside it."""
     import json
 
-    from minivllm.engine.worker import Worker
+    from minivllm.worker.worker import Worker
 
     built: list[bool] = []
     build = Worker.build_model_runner

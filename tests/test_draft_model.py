@@ -25,10 +25,10 @@ from conftest import hf_model
 
 from minivllm import SamplingParams
 from minivllm.engine.config import WorkerConfig
-from minivllm.engine.worker import Worker
 from minivllm.metadata import StepInput
 from minivllm.request import Request
 from minivllm.spec_decode.draft_model import DraftModelProposer, propose_one_by_one
+from minivllm.worker.worker import Worker
 
 BLOCK_SIZE = 4
 

@@ -158,7 +158,7 @@ def test_draft_model_with_tensor_parallelism(tiny_model_dir):
     before anything is loaded (its forward would run on rank 0 alone, its all-reduces
     waiting forever for the others)."""
     from minivllm import LLM, backend
-    from minivllm.engine.ranks import simulates_all_ranks
+    from minivllm.executor.ranks import simulates_all_ranks
 
     path = str(tiny_model_dir("llama", num_hidden_layers=3))
     kernels_ref = {n: "ref" for n, k in backend.COMPONENTS.items() if k == "kernel"}

@@ -23,9 +23,9 @@ from test_tp_engine import _gone
 from minivllm import backend
 from minivllm.backend import COMPONENTS
 from minivllm.engine.config import EngineConfig, WorkerConfig
-from minivllm.engine.executor import UniProcExecutor
-from minivllm.engine.multiproc_executor import MultiprocExecutor
-from minivllm.engine.ranks import simulates_all_ranks
+from minivllm.executor.multiproc_executor import MultiprocExecutor
+from minivllm.executor.ranks import simulates_all_ranks
+from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.pp_stages import get_pp_indices, stage_layer_ranges, valid_pp_sizes
 
 BLOCK_SIZE = 4

@@ -35,7 +35,7 @@ from minivllm import backend
 from minivllm.backend import COMPONENTS
 from minivllm.cli import build_parser
 from minivllm.engine.config import EXECUTOR_BACKENDS
-from minivllm.engine.launcher import choose_executor_backend, read_launcher_env
+from minivllm.executor.launcher import choose_executor_backend, read_launcher_env
 
 REPO = Path(minivllm.__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -24,11 +24,11 @@ import torch
 from minivllm import backend
 from minivllm.backend import COMPONENTS
 from minivllm.engine.config import WorkerConfig
-from minivllm.engine.executor import UniProcExecutor
-from minivllm.engine.launcher import make_executor
-from minivllm.engine.multiproc_executor import MultiprocExecutor
-from minivllm.engine.ranks import simulates_all_ranks
-from minivllm.engine.wire import pack_rpc, pack_step_input, unpack_rpc, unpack_step_input
+from minivllm.executor.launcher import make_executor
+from minivllm.executor.multiproc_executor import MultiprocExecutor
+from minivllm.executor.ranks import simulates_all_ranks
+from minivllm.executor.uniproc_executor import UniProcExecutor
+from minivllm.executor.wire import pack_rpc, pack_step_input, unpack_rpc, unpack_step_input
 from minivllm.metadata import StepInput
 from minivllm.tp_shards import valid_tp_sizes
 

@@ -18,8 +18,8 @@ import torch
 from minivllm import SamplingParams, backend
 from minivllm.engine.config import WorkerConfig
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
-from minivllm.engine.worker import Worker
 from minivllm.metadata import StepInput
+from minivllm.worker.worker import Worker
 
 BLOCK_SIZE = 4
 

@@ -209,8 +209,8 @@ print("saved 06_tensor_parallel.png")
 from minivllm import distributed  # noqa: E402
 from minivllm.bench.tp import save_random_llama, synthetic_input  # noqa: E402
 from minivllm.engine.config import WorkerConfig  # noqa: E402
-from minivllm.engine.executor import UniProcExecutor  # noqa: E402
-from minivllm.engine.multiproc_executor import MultiprocExecutor  # noqa: E402
+from minivllm.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
+from minivllm.executor.uniproc_executor import UniProcExecutor  # noqa: E402
 
 model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=128, heads=8, kv_heads=4,
                               intermediate=256, layers=2, vocab=500)

@@ -76,7 +76,7 @@ for L, P in [(30, 2), (30, 4), (5, 3), (12, 5)]:
 
 # %%
 from minivllm.engine.config import WorkerConfig  # noqa: E402
-from minivllm.engine.executor import UniProcExecutor  # noqa: E402
+from minivllm.executor.uniproc_executor import UniProcExecutor  # noqa: E402
 
 model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=256, heads=8, kv_heads=4,
                               intermediate=512, layers=8, vocab=500)
@@ -127,7 +127,7 @@ assert torch.equal(logits_pp2, logits_pp1)  # the same layers in the same order:
 # (at most ``P`` in flight) and draw what the ranks recorded.
 
 # %%
-from minivllm.engine.multiproc_executor import MultiprocExecutor  # noqa: E402
+from minivllm.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 PP, MS = 2, [1, 2, 4, 8]
 timelines, bubbles, gaps = {}, {}, []

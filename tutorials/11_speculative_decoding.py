@@ -37,12 +37,12 @@ from _figures import figure_path  # tutorials/figures/, ignored by git
 from minivllm import SamplingParams, backend
 from minivllm.bench.quality import TEXT
 from minivllm.engine.config import WorkerConfig
-from minivllm.engine.worker import Worker
 from minivllm.metadata import AttentionMetadata, StepInput
 from minivllm.request import Request
 from minivllm.sampling_metadata import SamplingMetadata
 from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.metadata import SpecDecodeMetadata
+from minivllm.worker.worker import Worker
 
 torch.manual_seed(0)
 # One thread: on a shared CPU a multi-threaded matmul of a few rows waits for its second
@@ -65,7 +65,7 @@ def best_of(fn, repeats=7):
 # 1 · One pass, many query tokens
 # -------------------------------
 #
-# We load SmolLM2-135M (float32) into a :class:`~minivllm.engine.worker.Worker`,
+# We load SmolLM2-135M (float32) into a :class:`~minivllm.worker.worker.Worker`,
 # give one sequence a 128-token context in the paged KV cache (a paragraph of
 # English), and then time one
 # forward pass over ``q`` new query tokens at positions ``128 .. 128 + q − 1``,

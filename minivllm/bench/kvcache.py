@@ -40,7 +40,7 @@ FORMATS = ("auto", "int8", "fp8")
 
 def _worker(model: str, dtype: torch.dtype, kv_cache_dtype: str, backend: str):
     from minivllm.engine.config import WorkerConfig
-    from minivllm.engine.worker import Worker
+    from minivllm.worker.worker import Worker
 
     config = WorkerConfig(model=model, dtype=dtype, device=torch.device("cpu"),
                           kv_cache_dtype=kv_cache_dtype)

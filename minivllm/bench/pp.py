@@ -12,7 +12,7 @@ Three measurements, each from one run on this machine:
    executor back to back, with at most ``max_concurrent_batches`` (= ``P``)
    in flight, as the engine's batch queue keeps them. Every rank records
    when it had a micro-batch's inputs and when its output was ready
-   (:meth:`~minivllm.engine.multiproc_executor.MultiprocExecutor.stage_timeline`,
+   (:meth:`~minivllm.executor.multiproc_executor.MultiprocExecutor.stage_timeline`,
    ``time.time()``, one clock for the ranks of one host). The *measured*
    bubble is the idle share of the stages over the span from the first start
    to the last end::
@@ -130,7 +130,7 @@ def run_bubble(model: str, pp: int, micro_batches: list[int],
     """``(m, measured, textbook, records)`` for each ``m`` in ``micro_batches``, at ``pp`` stages."""
     from minivllm import backend
     from minivllm.engine.config import WorkerConfig
-    from minivllm.engine.multiproc_executor import MultiprocExecutor
+    from minivllm.executor.multiproc_executor import MultiprocExecutor
 
     dtype = getattr(torch, args.dtype)
     with backend.use_backend(_backend(args)):

@@ -2,7 +2,7 @@
 
 Times the forward step (``executor.execute_model``) of one model at
 ``tp_size=1`` (one in-process worker) and at ``tp_size=N`` (real worker
-processes, :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`), for a
+processes, :class:`~minivllm.executor.multiproc_executor.MultiprocExecutor`), for a
 prefill batch and a decode batch, and reports:
 
 - step time and tokens/s for each, and the tp=N / tp=1 speed-up;
@@ -128,8 +128,8 @@ def run(model: str, tp: int, args: argparse.Namespace) -> dict[str, tuple[float,
     """Step times of the prefill and decode workloads at ``tp``."""
     from minivllm import distributed
     from minivllm.engine.config import WorkerConfig
-    from minivllm.engine.executor import UniProcExecutor
-    from minivllm.engine.multiproc_executor import MultiprocExecutor
+    from minivllm.executor.multiproc_executor import MultiprocExecutor
+    from minivllm.executor.uniproc_executor import UniProcExecutor
 
     config = WorkerConfig(model, getattr(torch, args.dtype), args.device,
                           tensor_parallel_size=tp)

@@ -31,7 +31,7 @@ from minivllm.spec_decode.config import SpeculativeConfig
 logger = logging.getLogger("minivllm")
 
 #: The values ``distributed_executor_backend`` takes (None: choose, see
-#: :func:`minivllm.engine.executor.make_executor`).
+#: :func:`minivllm.executor.abstract.make_executor`).
 EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 #: (field, lowest, highest) of EngineConfig's int fields. The upper bounds keep
@@ -115,7 +115,7 @@ def _is_device(device: str | torch.device) -> bool:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What every rank needs to build its :class:`~minivllm.engine.worker.Worker`.
+    """What every rank needs to build its :class:`~minivllm.worker.worker.Worker`.
 
     Made by :meth:`EngineConfig.worker_config` (or directly, in tests and
     tutorials), and pickled to every worker process as it is.
@@ -124,7 +124,7 @@ class WorkerConfig:
         model: a registered name, an HF model directory or a ``.gguf`` file.
         dtype: weight and activation dtype.
         device: the device of rank 0 (the others follow it, see
-            :func:`~minivllm.engine.ranks.rank_devices`).
+            :func:`~minivllm.executor.ranks.rank_devices`).
         tensor_parallel_size: ranks per pipeline stage.
         pipeline_parallel_size: pipeline stages.
         pp_layer_partition: layers per stage, or None for the rule

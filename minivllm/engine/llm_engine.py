@@ -44,15 +44,15 @@ from minivllm.engine.config import (  # noqa: F401  (EngineConfig: re-exported, 
     num_kv_blocks,
     resolve_device,
 )
-from minivllm.engine.executor import PendingStep
 from minivllm.engine.input_processor import InputProcessor
-from minivllm.engine.launcher import make_executor
 from minivllm.engine.lora_requests import LoRARequests
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.ranks import simulates_all_ranks
 from minivllm.engine.sampling import StepSampler
 from minivllm.engine.sequence_groups import SequenceGroups
 from minivllm.engine.structured import StructuredOutputs
+from minivllm.executor.abstract import PendingStep
+from minivllm.executor.launcher import make_executor
+from minivllm.executor.ranks import simulates_all_ranks
 from minivllm.metadata import SchedulerOutput, StepInput
 from minivllm.model.generation_config import load_generation_defaults
 from minivllm.outputs import RequestOutput, StepStats

@@ -78,7 +78,7 @@ __all__ = [
     "qkv_tp_sizes", "vocab_partition",
 ]
 
-#: False: one process per rank (see :func:`minivllm.engine.executor.simulates_all_ranks`).
+#: False: one process per rank (see :func:`minivllm.executor.abstract.simulates_all_ranks`).
 SIMULATES_ALL_RANKS = False
 
 

@@ -6,7 +6,7 @@ of one contiguous max-length region, so memory is handed out a block at a
 time, as the sequence grows. This module only does the bookkeeping: which
 block ids are free, who holds which, and which full blocks hold a known
 token prefix. The tensors themselves live in the worker on every rank
-(:mod:`minivllm.engine.worker`); this pool is the scheduler's, on rank 0.
+(:mod:`minivllm.worker.worker`); this pool is the scheduler's, on rank 0.
 
 Three ideas, all from vLLM v1's ``BlockPool``:
 

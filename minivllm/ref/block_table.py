@@ -16,7 +16,7 @@ Each step the model runner needs two tensors from here:
 - ``slot_mapping``: ``(num_tokens,)`` int64, where each *new* token's K/V is
   written (:mod:`minivllm.ref.cache_write`).
 
-Who owns the table: the worker, on every rank (:mod:`minivllm.engine.worker`),
+Who owns the table: the worker, on every rank (:mod:`minivllm.worker.worker`),
 beside that rank's KV cache (in vLLM v1 the GPU model runner inside the
 worker holds it, in its input batch). The
 scheduler decides which blocks a request gets and sends only the changes each

@@ -1,7 +1,7 @@
 """The model runner: how one step's forward pass runs, readable version.
 
 A worker builds one :class:`ModelRunner` over its model and its KV cache once
-the cache exists (:meth:`~minivllm.engine.worker.Worker.init_kv_cache`), and
+the cache exists (:meth:`~minivllm.worker.worker.Worker.init_kv_cache`), and
 calls :meth:`ModelRunner.execute_model` once per step with the step's
 :class:`~minivllm.metadata.ModelInput`. Here that call is the model's own
 forward, nothing else: the code a reader opens in

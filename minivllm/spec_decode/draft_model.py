@@ -257,7 +257,7 @@ def make_draft_proposer(config, worker, seed: int = 0) -> DraftModelProposer:
 
     The draft runs beside the target, in the process that holds its whole
     model and KV cache: the executor's
-    :meth:`~minivllm.engine.executor.Executor.whole_model_worker` (one rank,
+    :meth:`~minivllm.executor.abstract.Executor.whole_model_worker` (one rank,
     or the ref's simulated ranks). ``ValueError`` when there is none (one
     process per rank: the draft's forward would run on rank 0 alone, its
     collectives waiting forever for the others).

@@ -2,7 +2,7 @@
 
 With one rank the engine runs a single worker in its own process; with
 tensor or pipeline parallelism every rank runs one (see
-:mod:`minivllm.engine.multiproc_executor`), holding only its own weight
+:mod:`minivllm.executor.multiproc_executor`), holding only its own weight
 shards, its own KV heads and its own pipeline stage's layers.
 
 Each worker owns its block table (the engine's ``components.block_table``),
@@ -280,8 +280,8 @@ def serve(worker: Worker) -> None:
     """A worker rank's loop (every rank but 0): receive a call, make it, until ``shutdown``.
 
     Every call is ``getattr(worker, method)(*args, **kwargs)``, received
-    through the worker's :class:`~minivllm.engine.stage_link.StageLink`
-    (:func:`~minivllm.engine.wire.pack_rpc`). A call that rank 0 waits on
+    through the worker's :class:`~minivllm.executor.stage_link.StageLink`
+    (:func:`~minivllm.executor.wire.pack_rpc`). A call that rank 0 waits on
     (``reply``) sends back ``(result, error)`` in one ``gather_object``, so a
     method that raises on a rank raises on rank 0 too and the loop goes on;
     a call without replies (a step) that raises ends this rank, which rank 0

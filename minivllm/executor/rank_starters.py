@@ -1,4 +1,4 @@
-"""How the ranks of a :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor` come to exist.
+"""How the ranks of a :class:`~minivllm.executor.multiproc_executor.MultiprocExecutor` come to exist.
 
 One executor class runs rank 0 and talks to the others; how those others
 start, and how their failure is seen, is a strategy:
@@ -21,8 +21,8 @@ start, and how their failure is seen, is a strategy:
   collective.
 
 Either way the other ranks run the same loop,
-:func:`minivllm.engine.worker.serve`, and every call reaches them in the same
-message (:mod:`minivllm.engine.wire`). This differs from vLLM's
+:func:`minivllm.worker.worker.serve`, and every call reaches them in the same
+message (:mod:`minivllm.executor.wire`). This differs from vLLM's
 ``external_launcher``, where every rank runs a whole engine and the ranks
 agree because scheduling is deterministic: here rank 0's decisions travel
 to the others, exactly as with spawned workers, so ``minivllm serve`` (one
@@ -51,10 +51,10 @@ import torch
 
 from minivllm import distributed
 from minivllm.engine.config import WorkerConfig
-from minivllm.engine.ranks import num_cpus, rank_devices
-from minivllm.engine.stage_link import StageLink
-from minivllm.engine.worker import Worker, serve
+from minivllm.executor.ranks import num_cpus, rank_devices
+from minivllm.executor.stage_link import StageLink
 from minivllm.pp_stages import rank_coords
+from minivllm.worker.worker import Worker, serve
 
 
 def describe_rank(rank: int, tp_size: int, pp_size: int) -> str:

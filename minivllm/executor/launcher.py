@@ -3,15 +3,15 @@
 Three ways to run an engine's ranks, named as vLLM names them
 (``distributed_executor_backend``):
 
-- ``"uni"``: one process (:class:`~minivllm.engine.executor.UniProcExecutor`).
+- ``"uni"``: one process (:class:`~minivllm.executor.uniproc_executor.UniProcExecutor`).
   Tensor parallelism above 1 only with linear layers that simulate every
   rank (the ref twin); pipeline stages are simulated one after another.
 - ``"mp"``: this process is rank 0 and *spawns* the other ranks on this
-  machine (:class:`~minivllm.engine.multiproc_executor.MultiprocExecutor` with
-  :class:`~minivllm.engine.rank_starters.SpawnedRanks`).
+  machine (:class:`~minivllm.executor.multiproc_executor.MultiprocExecutor` with
+  :class:`~minivllm.executor.rank_starters.SpawnedRanks`).
 - ``"external_launcher"``: a launcher that already exists (``torchrun``,
   Slurm's ``srun``, ``mpirun``) started every rank, on one machine or many
-  (the same executor with :class:`~minivllm.engine.rank_starters.LaunchedRanks`;
+  (the same executor with :class:`~minivllm.executor.rank_starters.LaunchedRanks`;
   every rank but 0 serves rank 0 and never returns from ``LLM(...)``).
 
 ``None`` (the default) chooses: ``"external_launcher"`` when the process was
@@ -29,15 +29,16 @@ from collections.abc import Mapping
 
 from minivllm import backend
 from minivllm.engine.config import WorkerConfig, check_executor_backend
-from minivllm.engine.executor import Executor, UniProcExecutor
-from minivllm.engine.multiproc_executor import MultiprocExecutor
-from minivllm.engine.rank_starters import (
+from minivllm.executor.abstract import Executor
+from minivllm.executor.multiproc_executor import MultiprocExecutor
+from minivllm.executor.rank_starters import (
     LaunchedRanks,
     launched_world_size,
     read_launcher_env,
     run_launched_rank,
 )
-from minivllm.engine.ranks import check_model_parallel_sizes, simulates_all_ranks
+from minivllm.executor.ranks import check_model_parallel_sizes, simulates_all_ranks
+from minivllm.executor.uniproc_executor import UniProcExecutor
 
 
 def choose_executor_backend(requested: str | None, num_ranks: int, simulated: bool,
@@ -49,7 +50,7 @@ def choose_executor_backend(requested: str | None, num_ranks: int, simulated: bo
         num_ranks: the ranks the engine needs, ``tensor_parallel_size x
             pipeline_parallel_size``.
         simulated: whether the linear layers compute every rank in one
-            process (:func:`~minivllm.engine.ranks.simulates_all_ranks`).
+            process (:func:`~minivllm.executor.ranks.simulates_all_ranks`).
         environ: the environment to read (default ``os.environ``).
 
     A launched ``WORLD_SIZE`` that differs from ``num_ranks`` is refused

@@ -1,8 +1,8 @@
 """The one message rank 0 sends the other ranks: a call, ``(method, args, kwargs)``.
 
 Every rank operation travels the same way (vLLM v1's ``collective_rpc``):
-rank 0 names a :class:`~minivllm.engine.worker.Worker` method and its
-arguments, every other rank's loop (:func:`~minivllm.engine.worker.serve`)
+rank 0 names a :class:`~minivllm.worker.worker.Worker` method and its
+arguments, every other rank's loop (:func:`~minivllm.worker.worker.serve`)
 calls ``getattr(worker, method)(*args, **kwargs)``. A message is two
 ``dist.broadcast`` calls: a fixed :data:`HEADER_LEN`-element int64 header
 (the payload's length, and whether rank 0 waits for replies), then ONE
@@ -13,7 +13,7 @@ Most arguments are small Python values; the one that travels every step, a
 (:func:`pack_step_input`): the batch (token ids, positions, lengths, the
 rows to sample) and the *changes* to the block tables, never the tables
 themselves: each rank keeps its own table and applies them
-(:meth:`~minivllm.engine.worker.Worker.update_block_tables`). Request ids are
+(:meth:`~minivllm.worker.worker.Worker.update_block_tables`). Request ids are
 strings; they travel as their UTF-8 bytes, one byte per int64.
 
 A step, end to end (``S`` scheduled requests, ``R`` removed ones, ``C``

@@ -1,23 +1,23 @@
 """``MultiprocExecutor``: one process per (tensor x pipeline)-parallel rank, seen from rank 0.
 
-Rank 0's :class:`~minivllm.engine.worker.Worker` lives in the engine process;
+Rank 0's :class:`~minivllm.worker.worker.Worker` lives in the engine process;
 ranks ``1 .. tp*pp-1`` are other processes, laid out tensor-parallel inner
 (``rank = pp_rank * tp + tp_rank``, as vLLM), each running
-:func:`minivllm.engine.worker.serve`. How they start is a strategy
-(:mod:`minivllm.engine.rank_starters`): spawned from here, or started by a
+:func:`minivllm.worker.worker.serve`. How they start is a strategy
+(:mod:`minivllm.executor.rank_starters`): spawned from here, or started by a
 launcher such as ``torchrun``. Every rank operation is one call,
 :meth:`MultiprocExecutor.collective_rpc`: rank 0 sends the method's name and
-arguments (pickled by :mod:`minivllm.engine.wire`) to its stage's peers,
-every stage forwards it to the next (:mod:`minivllm.engine.stage_link`), and
+arguments (pickled by :mod:`minivllm.executor.wire`) to its stage's peers,
+every stage forwards it to the next (:mod:`minivllm.executor.stage_link`), and
 every rank calls that method of its worker. Each step is the call
 ``execute_model`` with the :class:`~minivllm.metadata.StepInput` (the batch
 and the block-table changes): every rank updates its own block table and
 runs its layers; the logits come back on rank 0 only.
 
 With pipeline parallelism (``pp_size > 1``) a step does not wait for its
-logits: :meth:`~minivllm.engine.executor.Executor.execute_model` runs stage 0's layers, sends
+logits: :meth:`~minivllm.executor.abstract.Executor.execute_model` runs stage 0's layers, sends
 the intermediate tensors on and returns a
-:class:`~minivllm.engine.executor.PendingStep`, so the engine can start the
+:class:`~minivllm.executor.abstract.PendingStep`, so the engine can start the
 next micro-batch while later stages work (``max_concurrent_batches =
 pp_size``). Every rank records when it worked on which micro-batch
 (:meth:`MultiprocExecutor.stage_timeline`).
@@ -50,11 +50,11 @@ import torch.distributed as dist
 
 from minivllm import backend, distributed
 from minivllm.engine.config import WorkerConfig
-from minivllm.engine.executor import Executor, PendingStep
-from minivllm.engine.rank_starters import LaunchedRanks, SpawnedRanks
-from minivllm.engine.ranks import check_model_parallel_sizes, simulates_all_ranks
-from minivllm.engine.stage_link import StageLink
-from minivllm.engine.worker import Worker
+from minivllm.executor.abstract import Executor, PendingStep
+from minivllm.executor.rank_starters import LaunchedRanks, SpawnedRanks
+from minivllm.executor.ranks import check_model_parallel_sizes, simulates_all_ranks
+from minivllm.executor.stage_link import StageLink
+from minivllm.worker.worker import Worker
 
 
 def _shutdown_if_alive(ref: weakref.ref) -> None:
@@ -80,8 +80,8 @@ class MultiprocExecutor(Executor):
         components: the engine's :class:`~minivllm.backend.Components` (a
             spec, or None for the global one, is resolved once here); every
             other rank rebuilds the same record from its decided choices.
-        ranks: how the other ranks start: :class:`~minivllm.engine.rank_starters.SpawnedRanks`
-            (the default) or :class:`~minivllm.engine.rank_starters.LaunchedRanks`.
+        ranks: how the other ranks start: :class:`~minivllm.executor.rank_starters.SpawnedRanks`
+            (the default) or :class:`~minivllm.executor.rank_starters.LaunchedRanks`.
         collective_stats: a :class:`~minivllm.distributed.CollectiveStats`
             that rank 0's collectives add their wall time to (``bench tp``),
             or None.

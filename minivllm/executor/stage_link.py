@@ -6,7 +6,7 @@ way, stage to stage, each ``tp_rank`` to the same ``tp_rank`` of the next
 stage:
 
 - stage 0's rank 0 (the engine process) broadcasts each call (a header and
-  its payload, :mod:`minivllm.engine.wire`) to its own stage's
+  its payload, :mod:`minivllm.executor.wire`) to its own stage's
   tensor-parallel peers, as plain tensor parallelism does, and every rank of
   a stage *forwards* them to its counterpart in the next stage (``isend``);
 - a stage that is not the first receives the previous stage's
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from minivllm import distributed
-from minivllm.engine import wire
+from minivllm.executor import wire
 from minivllm.pp_stages import IntermediateTensors, global_rank, rank_coords
 
 
@@ -73,7 +73,7 @@ class StageLink:
 
     def send_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                  reply: bool = True) -> None:
-        """Rank 0: hand one call (:func:`~minivllm.engine.wire.pack_rpc`) to stage 0's
+        """Rank 0: hand one call (:func:`~minivllm.executor.wire.pack_rpc`) to stage 0's
         peers and to the next stage."""
         header, payload = wire.pack_rpc(method, args, kwargs, reply)
         if self.tp_size > 1:

@@ -1,26 +1,27 @@
-"""Executors: who runs one engine's :class:`~minivllm.engine.worker.Worker` on every rank.
+"""Executors: who runs one engine's :class:`~minivllm.worker.worker.Worker` on every rank.
 
 The engine (scheduler, sampler, outputs) lives in one process and calls its
 executor once per step. :class:`Executor` states everything the engine uses
 of one, so the engine never has to guess what an executor offers. Every
 rank operation goes through ONE call, :meth:`Executor.collective_rpc`
-(``method`` names a :class:`~minivllm.engine.worker.Worker` method, run on
+(``method`` names a :class:`~minivllm.worker.worker.Worker` method, run on
 every rank); the operations themselves are written once, in the base class.
 Two implementations, which differ only in how a call reaches the ranks:
 
-- :class:`UniProcExecutor` (here): the workers live in this process and a
+- :class:`~minivllm.executor.uniproc_executor.UniProcExecutor`: the workers live in this process and a
   call is a method call on each. One rank, or the ref's linear layers that
   simulate every tensor-parallel rank in one process, and with pipeline
   parallelism one worker per stage, run one after another, each handing its
-  output to the next through a :class:`SimulatedStageLink`.
-- :class:`~minivllm.engine.multiproc_executor.MultiprocExecutor`: one process
+  output to the next through a
+  :class:`~minivllm.executor.uniproc_executor.SimulatedStageLink`.
+- :class:`~minivllm.executor.multiproc_executor.MultiprocExecutor`: one process
   per rank, with real collectives; a call is pickled and broadcast
-  (:mod:`minivllm.engine.wire`). Rank 0's worker lives in this process; how
+  (:mod:`minivllm.executor.wire`). Rank 0's worker lives in this process; how
   the other ranks come to exist is a strategy
-  (:mod:`minivllm.engine.rank_starters`): spawned from here (``"mp"``) or
+  (:mod:`minivllm.executor.rank_starters`): spawned from here (``"mp"``) or
   started by a launcher such as ``torchrun`` (``"external_launcher"``).
 
-:func:`minivllm.engine.launcher.make_executor` chooses among them, once.
+:func:`minivllm.executor.launcher.make_executor` chooses among them, once.
 Every step takes a :class:`~minivllm.metadata.StepInput`: the batch plus the
 block-table changes, which every rank's worker applies to its own table.
 """
@@ -32,12 +33,10 @@ from typing import Any
 
 import torch
 
-from minivllm import backend
 from minivllm.engine.config import WorkerConfig
-from minivllm.engine.ranks import check_model_parallel_sizes, simulates_all_ranks
-from minivllm.engine.worker import Worker
 from minivllm.metadata import StepInput
 from minivllm.pp_stages import IntermediateTensors, StageTiming
+from minivllm.worker.worker import Worker
 
 
 class PendingStep:
@@ -65,7 +64,7 @@ class Executor(abc.ABC):
     """Everything the engine uses of whoever runs its workers.
 
     Every rank operation is one call, :meth:`collective_rpc` (vLLM v1's
-    name): the method of :class:`~minivllm.engine.worker.Worker` to run on
+    name): the method of :class:`~minivllm.worker.worker.Worker` to run on
     every rank, and its arguments. The operations the engine uses
     (:meth:`execute_model`, :meth:`init_kv_cache`, ...) are written once,
     here, over it; an executor only says how a call reaches its ranks.
@@ -103,7 +102,7 @@ class Executor(abc.ABC):
         """Send one step to every rank; its logits come back through the :class:`PendingStep`.
 
         Every rank updates its block table and runs its layers
-        (:meth:`~minivllm.engine.worker.Worker.execute_model`). At most
+        (:meth:`~minivllm.worker.worker.Worker.execute_model`). At most
         :attr:`max_concurrent_batches` steps may be pending at once.
         """
         outs = self.collective_rpc("execute_model", (step_input,), reply=False)
@@ -171,88 +170,3 @@ class Executor(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-class SimulatedStageLink:
-    """How simulated pipeline stages, one worker each in this process, hand each
-    other their output: the stage before puts it down, the next one picks it up.
-
-    It has the :class:`~minivllm.engine.stage_link.StageLink` attributes a
-    worker reads, so that :meth:`~minivllm.engine.worker.Worker.execute_model`
-    runs the same with real stages and with simulated ones.
-    """
-
-    def __init__(self, pp_rank: int, tp_size: int, pp_size: int, slot: list) -> None:
-        self.pp_rank, self.tp_rank, self.pp_size = pp_rank, 0, pp_size
-        self.rank = pp_rank * tp_size  # the rank a real stage's tp rank 0 would have
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
-        self._slot = slot  # shared by every stage: at most one output on it
-
-    def recv_intermediate(self, num_tokens: int) -> IntermediateTensors:
-        """The previous stage's output, ``(T, hidden)`` x 2."""
-        return self._slot.pop()
-
-    def send_intermediate(self, tensors: IntermediateTensors) -> None:
-        """This stage's output, for the next one."""
-        self._slot.append(tensors)
-
-    def send_logits(self, logits: torch.Tensor | None, num_rows: int) -> None:
-        """Nothing to send: the last stage's return value is the logits."""
-
-    def wait_sends(self) -> None:
-        """Nothing in flight."""
-
-
-class UniProcExecutor(Executor):
-    """In-process :class:`~minivllm.engine.worker.Worker` s: one rank, or the ref simulation.
-
-    Args:
-        config: the model and how to run it. ``tensor_parallel_size`` above 1
-            only with linear layers that simulate every rank (the ref);
-            ``pipeline_parallel_size`` stages are simulated here one after
-            another (one worker each, holding only its layers and KV cache).
-        components: the engine's :class:`~minivllm.backend.Components` (a
-            spec, or None for the global one, is resolved once here).
-    """
-
-    def __init__(self, config: WorkerConfig,
-                 components: backend.Components | backend.BackendSpec | None = None) -> None:
-        components = backend.as_components(components)
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        if tp > 1 and not simulates_all_ranks(components):
-            raise ValueError(
-                f"tensor_parallel_size={tp} with real (one process per rank) linear layers "
-                "needs MultiprocExecutor; UniProcExecutor runs it only with linear layers "
-                "that simulate every rank (the ref)")
-        check_model_parallel_sizes(config.model, tp, pp, config.pp_layer_partition)
-        self.config = config
-        #: micro-batches the engine may keep in flight: as many as the real ranks
-        #: would, so that the simulation schedules exactly the same batches
-        self.max_concurrent_batches = pp
-        self.workers = [Worker(config, components, pp_rank=r) for r in range(pp)]
-        if pp > 1:
-            slot: list[IntermediateTensors] = []
-            for r, w in enumerate(self.workers):
-                w.link = SimulatedStageLink(r, tp, pp, slot)
-        self.worker = self.workers[0]
-        self.tokenizer, self.hf_config = self.worker.tokenizer, self.worker.hf_config
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
-                       reply: bool = True) -> list[Any]:
-        """Call ``method`` on every stage's worker in turn (stage 0 first: what it
-        refuses, no later stage sees).
-
-        With simulated stages a step runs every stage one after another, each
-        handing its output to the next, so the timeline is all bubble.
-        """
-        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
-
-    def whole_model_worker(self) -> Worker | None:
-        """The one worker, when there is one stage (it holds every simulated rank)."""
-        return self.worker if len(self.workers) == 1 else None
-
-    def check_health(self) -> None:
-        """Nothing can die separately here."""
-
-    def shutdown(self) -> None:
-        """Nothing to stop."""
