@@ -202,6 +202,9 @@ class SamplingParams:
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (vLLM's;
             -1: the last ``max_model_len``); ``None`` = the whole prompt.
         skip_special_tokens: drop special tokens from the output text.
+        spaces_between_special_tokens: passed to the tokenizer's ``decode``, as
+            vLLM does: a slow tokenizer then writes a space between special
+            tokens; a fast one (every model minivllm loads) writes none either way.
         include_stop_str_in_output: keep the matched stop string in the text.
         output_kind: a :class:`RequestOutputKind`: cumulative outputs (the
             default), deltas, or the final output only.
@@ -226,6 +229,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -354,7 +358,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "truncate_prompt_tokens")
 _OPTIONAL_FIELDS = ("max_tokens", "logprobs", "truncate_prompt_tokens")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                "include_stop_str_in_output")
 
 
 def _is_int(v: object) -> bool:
