@@ -60,7 +60,8 @@ class StructuredOutputsField(_Request):
     """vLLM's ``structured_outputs`` extra (completions and chat): set exactly one field.
 
     ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF) or
-    ``json_object``; see :class:`minivllm.StructuredOutputsParams`.
+    ``json_object`` (none when ``response_format`` sets it), and vLLM's JSON options;
+    see :class:`minivllm.StructuredOutputsParams`.
     """
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
