@@ -54,6 +54,20 @@ class StructuredOutputsParams:
             groups, alternatives ``|``; the start rule is ``root``).
         json_object: ``True``: the output is some JSON object (no schema).
 
+    and, for ``json`` (and ``json_object``), vLLM's options:
+
+    Args:
+        disable_any_whitespace: write JSON with separators ``","`` and ``":"``,
+            no white space at all (default: ``", "`` and ``": "``, see below).
+        disable_additional_properties: an object schema without
+            ``additionalProperties`` allows no other key. minivllm's compilers
+            already read such schemas so (as xgrammar, vLLM's default backend,
+            does), so this only makes it explicit in the schema.
+        whitespace_pattern: ``json`` only: a regex for the white space allowed
+            around ``{ } [ ] , :`` (outlines' option); the separators are then
+            ``","`` and ``":"``. The fast twin compiles it through the ref's
+            schema-to-regex translation, so only the ref's schema subset.
+
     Types and obvious mistakes are caught here (``ValueError`` naming the
     field); content errors (a schema or regex that does not compile) are
     caught when the engine compiles the constraint, before the request is
@@ -65,6 +79,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
@@ -120,6 +137,27 @@ class StructuredOutputsParams:
             if bad:
                 raise ValueError(f"choice must be a non-empty list of strings, got {bad[0]!r} "
                                  f"in {self.choice!r}")
+        self._verify_options(chosen[0])
+
+    def _verify_options(self, kind: str) -> None:
+        """The JSON options: their types, and that they apply to the constraint."""
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+            if v and kind not in ("json", "json_object"):
+                raise ValueError(f"{name} applies to json and json_object constraints, "
+                                 f"not to {kind}")
+        w = self.whitespace_pattern
+        if w is None:
+            return
+        if not isinstance(w, str) or not w:
+            raise ValueError(f"whitespace_pattern must be a non-empty string or None, got {w!r}")
+        if kind != "json":
+            raise ValueError(f"whitespace_pattern applies to json constraints, not to {kind}")
+        if self.disable_any_whitespace:
+            raise ValueError("whitespace_pattern cannot be combined with "
+                             "disable_any_whitespace (which allows no white space)")
 
     def json_schema(self) -> dict[str, Any]:
         """``json`` as a dict (parsed if it was given as a string)."""
@@ -164,6 +202,9 @@ class SamplingParams:
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (vLLM's;
             -1: the last ``max_model_len``); ``None`` = the whole prompt.
         skip_special_tokens: drop special tokens from the output text.
+        spaces_between_special_tokens: passed to the tokenizer's ``decode``, as
+            vLLM does: a slow tokenizer then writes a space between special
+            tokens; a fast one (every model minivllm loads) writes none either way.
         include_stop_str_in_output: keep the matched stop string in the text.
         output_kind: a :class:`RequestOutputKind`: cumulative outputs (the
             default), deltas, or the final output only.
@@ -188,6 +229,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -316,7 +358,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "truncate_prompt_tokens")
 _OPTIONAL_FIELDS = ("max_tokens", "logprobs", "truncate_prompt_tokens")
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                "include_stop_str_in_output")
 
 
 def _is_int(v: object) -> bool:

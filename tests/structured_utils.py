@@ -214,3 +214,21 @@ def whitespace_is_canonical(text: str) -> bool:
         in_string = c == '"'
         prev = c
     return True
+
+
+def whitespace_outside_strings(text: str) -> str:
+    """The white-space characters of a JSON text that lie outside its strings."""
+    out, in_string, escaped = [], False, False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c.isspace():
+            out.append(c)
+    return "".join(out)

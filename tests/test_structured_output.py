@@ -37,6 +37,7 @@ from structured_utils import (
     synthetic_tokenizer,
     walk,
     whitespace_is_canonical,
+    whitespace_outside_strings,
 )
 
 from minivllm import backend
@@ -45,7 +46,11 @@ from minivllm.ref import structured_output as ref_so
 from minivllm.sampling_params import StructuredOutputsParams
 from minivllm.structured_output.automata import compile_dfa
 from minivllm.structured_output.constraint import choice_regex
-from minivllm.structured_output.json_schema import json_object_regex, schema_to_regex
+from minivllm.structured_output.json_schema import (
+    JsonLayout,
+    json_object_regex,
+    schema_to_regex,
+)
 from minivllm.structured_output.regex import parse_regex
 from minivllm.testing.strategies import SO_CHARS, json_schemas, regex_patterns
 
@@ -221,3 +226,41 @@ def test_smollm2_json_schema_masks_equal(backends, schema, seed):
 def test_smollm2_json_object(backends):
     mine, other = backends("smollm2")
     json_object_walk(mine, other, seed=1, max_steps=12)
+
+
+# ------------------------------------------------------------------ vLLM's JSON options
+
+#: (options, the white space they allow outside strings)
+LAYOUTS = [
+    (dict(disable_any_whitespace=True), ""),
+    (dict(whitespace_pattern=r"[ \n]*"), " \n"),
+    (dict(whitespace_pattern=r"\t?"), "\t"),
+]
+
+
+@so_settings(30)
+@given(schema=json_schemas(), layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2**16))
+def test_json_layout_options_masks_equal(backends, schema, layout, seed):
+    """disable_any_whitespace / whitespace_pattern: the twins agree at every step, and a
+    finished document is valid (jsonschema) with white space only where the option allows."""
+    options, allowed_space = layout
+    mine, other = backends("synthetic")
+    params = StructuredOutputsParams(json=schema, **options)
+    layout = JsonLayout(options.get("disable_any_whitespace", False),
+                        options.get("whitespace_pattern"))
+    guide = compile_dfa(parse_regex(schema_to_regex(schema, layout)))  # steers the walk only
+    text, done, _ = walk(params, mine, other, guide, seed, max_steps=40)
+    decoded = text.decode("utf-8", "replace")  # a cut walk may end inside a character
+    assert set(whitespace_outside_strings(decoded)) <= set(allowed_space), decoded
+    if done:
+        jsonschema.validate(json.loads(text.decode("utf-8", "surrogatepass"), strict=False),
+                            schema)
+
+
+def test_json_object_compact_masks_equal(backends):
+    """json_object with disable_any_whitespace: the twins agree; no white space at all."""
+    mine, other = backends("synthetic")
+    params = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    for seed in range(3):
+        text, _, _ = walk(params, mine, other, None, seed, max_steps=30)
+        assert not whitespace_outside_strings(text.decode("utf-8", "replace")), text

@@ -16,6 +16,9 @@ same prefix, Python's ``re``, xgrammar's decoder) and runs on both twins.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -23,7 +26,7 @@ from structured_utils import mask_of, synthetic_tokenizer
 
 from minivllm import SamplingParams, StructuredOutputsParams, backend
 from minivllm.fast import structured_output as fast_so
-from minivllm.structured_output.json_schema import schema_to_regex
+from minivllm.structured_output.json_schema import forbid_additional_properties, schema_to_regex
 from minivllm.structured_output.regex import parse_regex
 from minivllm.structured_output.vocab import TokenVocabulary
 
@@ -69,6 +72,12 @@ def allowed(so, grammar) -> set[int]:
     (dict(json=3), "json"),
     (dict(json={"type": object}), "json"),
     (dict(json_object="yes"), "json_object"),
+    (dict(json={}, disable_any_whitespace="yes"), "disable_any_whitespace"),
+    (dict(regex="a", disable_any_whitespace=True), "disable_any_whitespace applies"),
+    (dict(choice=["a"], disable_additional_properties=True), "disable_additional_properties"),
+    (dict(json={}, whitespace_pattern=""), "whitespace_pattern"),
+    (dict(json_object=True, whitespace_pattern=" ?"), "whitespace_pattern applies"),
+    (dict(json={}, whitespace_pattern=" ?", disable_any_whitespace=True), "whitespace_pattern"),
 ])
 def test_params_refuse_malformed_constraints(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -133,6 +142,68 @@ def test_neutral_schema_converter_names_unsupported_keywords():
     for bad in ["\\b", "(?=a)", "\\p{L}", "^a^", "[\\^a]", "\\x41F", "[\\d-z]"]:
         with pytest.raises(ValueError, match="regex"):
             parse_regex(bad)
+
+
+# ------------------------------------------------------------------ vLLM's JSON options
+
+
+def accepts(so, params, text: str) -> bool:
+    """True if ``text`` is a whole document of the constraint (its bytes, then EOS)."""
+    g = so.compile(params)
+    return g.accept_tokens(ids_of(so, text)) and g.accept_tokens([so.vocab.eos_token_ids[0]])
+
+
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"},
+                                        "o": {"type": "object", "properties": {
+                                            "x": {"enum": ["y"]}}}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("options, good, bad", [
+    (dict(), ['{"a": 1}', '{"a": 1, "o": {"x": "y"}}'],
+     ['{"a":1}', '{ "a": 1}', '{"a": 1,"o": {}}']),
+    (dict(disable_any_whitespace=True), ['{"a":1}', '{"a":-2,"o":{"x":"y"}}', '{"a":1,"o":{}}'],
+     ['{"a": 1}', '{"a":1, "o":{}}', '{"a":1,"o":{ }}', ' {"a":1}', '{"a":1}\n']),
+    (dict(whitespace_pattern=r"[ ]?"), ['{"a":1}', '{ "a" : 1 }', '{"a": 1 ,"o":{ }}'],
+     ['{  "a":1}', '{"a":\n1}', '{"a":1}  ', '{"a"  :1}']),
+    (dict(whitespace_pattern=r"\n*"), ['{\n\n"a":1\n}', '{"a":\n1,\n"o":{}}'],
+     ['{ "a":1}', '{"a": 1}']),
+])
+def test_json_whitespace_options_on_strings(so, options, good, bad):
+    """disable_any_whitespace and whitespace_pattern, read by both twins on whole texts."""
+    params = StructuredOutputsParams(json=OBJ, **options)
+    for text in good:
+        assert accepts(so, params, text), text
+        jsonschema.validate(json.loads(text), OBJ)  # the oracle agrees it is valid
+    for text in bad:
+        assert not accepts(so, params, text), text
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_additional_properties_are_refused_without_additional_properties(so, flag):
+    """An object schema without ``additionalProperties`` takes no other key: with vLLM's
+    disable_additional_properties, and (xgrammar's strict reading, vLLM's default
+    backend's) without it."""
+    params = StructuredOutputsParams(json=OBJ, disable_additional_properties=flag)
+    assert accepts(so, params, '{"a": 1, "o": {"x": "y"}}')
+    for extra in ['{"a": 1, "b": 2}', '{"b": 2, "a": 1}', '{"a": 1, "o": {"x": "y", "z": 1}}',
+                  '{"a": 1, "o": {"z": 1}}']:
+        assert not accepts(so, params, extra), extra
+        with pytest.raises(jsonschema.ValidationError):  # the rewritten schema says the same
+            jsonschema.validate(json.loads(extra), forbid_additional_properties(OBJ))
+
+
+def test_forbid_additional_properties_rewrites_only_silent_object_schemas():
+    schema = {"type": "object", "properties": {
+        "free": {"type": "object", "properties": {}, "additionalProperties": True},
+        "e": {"enum": [{"properties": 1}]},
+        "l": {"type": "array", "items": {"type": "object", "properties": {}}}},
+        "$defs": {"d": {"type": "object"}}}
+    out = forbid_additional_properties(schema)
+    assert out["additionalProperties"] is False and "additionalProperties" not in schema
+    assert out["properties"]["free"]["additionalProperties"] is True  # it said so
+    assert out["properties"]["e"] == schema["properties"]["e"]  # a value, not a schema
+    assert out["properties"]["l"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False
 
 
 # ------------------------------------------------------------------ grammar state

@@ -59,6 +59,8 @@ class IncrementalDetokenizer:
         tokenizer: a transformers tokenizer (``decode`` is all that is used).
         prompt_token_ids: the prompt; its last few tokens are decoding context.
         skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: the tokenizer's option of that name (a slow
+            tokenizer's; fast ones ignore it).
         stop: stop strings; generation ends at the first one that appears.
         include_stop_str_in_output: keep the stop string at the end of the text.
         min_tokens: stop strings are not looked for until this many tokens
@@ -79,12 +81,14 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         stop = list(stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
@@ -109,6 +113,7 @@ class IncrementalDetokenizer:
             stop=p.stop_strings,
             include_stop_str_in_output=p.include_stop_str_in_output,
             min_tokens=p.min_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
         )
 
     @property
@@ -139,6 +144,8 @@ class IncrementalDetokenizer:
         kwargs = dict(
             skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
+        if not self.spaces_between_special_tokens:  # only a slow tokenizer reads it
+            kwargs["spaces_between_special_tokens"] = False
         prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset], **kwargs)
         new_text = decode(self.token_ids[self.prefix_offset :], **kwargs)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

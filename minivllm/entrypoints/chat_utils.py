@@ -12,6 +12,8 @@ Both front ends use it: ``LLM.chat`` offline and ``/v1/chat/completions`` (and
   continues it (a prefilled answer); it cannot be combined with ``add_generation_prompt``.
 - ``tools``: the function definitions the template describes to the model.
 - ``chat_template_kwargs``: more variables for the template (``enable_thinking`` ...).
+- ``documents``: ``[{"title": ..., "text": ...}, ...]`` for templates that describe
+  retrieved documents to the model (RAG); a template that does not read them ignores them.
 
 Messages keep what a multi-turn agent loop needs: an assistant message's ``tool_calls``
 (their JSON ``arguments`` string parsed to an object, as templates index into it, as vLLM
@@ -70,6 +72,7 @@ class ChatOptions:
     continue_final_message: bool = False
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
 
     def check(self) -> None:
         """``ValueError`` naming the field for options no template can honour."""
@@ -133,7 +136,8 @@ def render_chat(tokenizer: Any, messages: list[dict], options: ChatOptions) -> s
             conversation(messages), chat_template=template, tokenize=False,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
-            tools=options.tools or None, **(options.chat_template_kwargs or {}))
+            tools=options.tools or None, documents=options.documents,
+            **(options.chat_template_kwargs or {}))
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 -- a template is user code: any error is theirs

@@ -65,6 +65,7 @@ from minivllm.structured_output.constraint import (
     choice_regex,
     constraint_key,
 )
+from minivllm.structured_output.json_schema import JsonLayout, schema_to_regex
 from minivllm.structured_output.vocab import TokenVocabulary
 
 try:
@@ -327,25 +328,38 @@ class StructuredOutputBackend:
             self._cache.put(key, compiled)
         return Grammar(compiled)
 
-    def _compile_with_timeout(self, kind: str, text: str):
+    def _compile_with_timeout(self, kind: str, text: str, layout: JsonLayout):
         if self.compile_timeout_s is None:
-            return self._compile(kind, text)
+            return self._compile(kind, text, layout)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-grammar")
-        future = self._pool.submit(self._compile, kind, text)
+        future = self._pool.submit(self._compile, kind, text, layout)
         try:
             return future.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
             raise ValueError(f"{kind}: compiling took longer than compile_timeout_s="
                              f"{self.compile_timeout_s}") from None
 
-    def _compile(self, kind: str, text: str):
+    def _compile(self, kind: str, text: str, layout: JsonLayout):
+        """``kind``, ``text`` and ``layout`` as :func:`constraint_key` spells them."""
         compiler = self._compiler
+        # xgrammar's compact form, with "," and ":" under disable_any_whitespace.
+        separators = (",", ":") if layout.compact else (", ", ": ")
         try:
+            if kind == "json" and layout.whitespace is not None:
+                # xgrammar has no whitespace pattern: the ref's regex of the schema.
+                try:
+                    pattern = schema_to_regex(json.loads(text), layout)
+                except ValueError as e:
+                    raise ValueError(f"with whitespace_pattern the schema is written as the "
+                                     f"ref's regex, which refuses it: {e}") from None
+                return compiler.compile_regex(pattern)
             if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                return compiler.compile_json_schema(text, any_whitespace=False,
+                                                    separators=separators, strict_mode=True)
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                    separators=separators)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

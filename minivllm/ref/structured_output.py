@@ -37,6 +37,7 @@ The engine's calls, per request and per step, are listed in
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -51,7 +52,11 @@ from minivllm.structured_output.constraint import (
     choice_regex,
     constraint_key,
 )
-from minivllm.structured_output.json_schema import json_object_regex, schema_to_regex
+from minivllm.structured_output.json_schema import (
+    JsonLayout,
+    json_object_regex,
+    schema_to_regex,
+)
 from minivllm.structured_output.regex import parse_regex
 from minivllm.structured_output.vocab import TokenVocabulary
 
@@ -249,12 +254,12 @@ class StructuredOutputBackend:
         key = constraint_key(params)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(params)
+            compiled = self._compile(*key)
             self._cache.put(key, compiled)
         return Grammar(compiled)
 
-    def _compile(self, params: StructuredOutputsParams) -> _CompiledConstraint:
-        kind = params.kind
+    def _compile(self, kind: str, text: str, layout: JsonLayout) -> _CompiledConstraint:
+        """``kind``, ``text`` and ``layout`` as :func:`constraint_key` spells them."""
         deadline = (None if self.compile_timeout_s is None
                     else time.monotonic() + self.compile_timeout_s)
         try:
@@ -262,10 +267,10 @@ class StructuredOutputBackend:
                 raise ValueError("the ref twin does not compile grammars (a context-free "
                                  "language needs a stack, not a DFA); the fast twin "
                                  "(xgrammar) serves them: use backend 'fast'")
-            pattern = {"json": lambda: schema_to_regex(params.json_schema()),
-                       "regex": lambda: params.regex,
-                       "choice": lambda: choice_regex(params.choice),
-                       "json_object": json_object_regex}[kind]()
+            pattern = {"json": lambda: schema_to_regex(json.loads(text), layout),
+                       "regex": lambda: text,
+                       "choice": lambda: choice_regex(json.loads(text)),
+                       "json_object": lambda: json_object_regex(layout=layout)}[kind]()
             dfa = compile_dfa(parse_regex(pattern), MAX_DFA_STATES, deadline)
         except CompileTimeout:
             raise ValueError(f"{kind}: compiling took longer than compile_timeout_s="

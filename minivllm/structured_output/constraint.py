@@ -13,25 +13,31 @@ from collections import OrderedDict
 from typing import Any
 
 from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.structured_output.json_schema import JsonLayout, forbid_additional_properties
 from minivllm.structured_output.regex import escape
 
 
-def constraint_key(params: StructuredOutputsParams) -> tuple[str, str]:
-    """``(kind, text)``: equal for constraints that compile to the same grammar.
+def constraint_key(params: StructuredOutputsParams) -> tuple[str, str, JsonLayout]:
+    """``(kind, text, layout)``: equal for constraints that compile to the same grammar.
 
-    A schema's key keeps its property order (it is the order of the output).
+    A schema's key keeps its property order (it is the order of the output);
+    with ``disable_additional_properties`` it is the rewritten schema.
     """
     if not isinstance(params, StructuredOutputsParams):
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {params!r}")
     params.verify()
     kind = params.kind
+    layout = JsonLayout(params.disable_any_whitespace, params.whitespace_pattern)
     if kind == "json":
-        return kind, json.dumps(params.json_schema(), ensure_ascii=False)
+        schema = params.json_schema()
+        if params.disable_additional_properties:
+            schema = forbid_additional_properties(schema)
+        return kind, json.dumps(schema, ensure_ascii=False), layout
     if kind == "choice":
-        return kind, json.dumps(params.choice, ensure_ascii=False)
+        return kind, json.dumps(params.choice, ensure_ascii=False), layout
     if kind == "json_object":
-        return kind, ""
-    return kind, getattr(params, kind)
+        return kind, "", layout
+    return kind, getattr(params, kind), layout
 
 
 def choice_regex(choices: list[str]) -> str:
@@ -61,13 +67,13 @@ class CompileCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: tuple[str, str]) -> Any | None:
+    def get(self, key: tuple) -> Any | None:
         """The entry for ``key`` (now the most recently used), or None."""
         with self._lock:
             if key in self._items:
@@ -75,7 +81,7 @@ class CompileCache:
                 return self._items[key]
             return None
 
-    def put(self, key: tuple[str, str], value: Any) -> None:
+    def put(self, key: tuple, value: Any) -> None:
         """Add ``value``; drop the least recently used entries beyond ``capacity``."""
         with self._lock:
             self._items[key] = value

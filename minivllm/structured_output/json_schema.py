@@ -4,11 +4,16 @@ A schema without recursion describes a regular language: every keyword maps
 to a small regex, and a schema is the composition of its parts. The regexes
 below use the syntax of :mod:`minivllm.structured_output.regex`.
 
-**Whitespace rule.** A document is written exactly as Python's
+**Whitespace rule.** By default a document is written exactly as Python's
 ``json.dumps(value)`` writes it: separators ``", "`` and ``": "``, no other
 white space (no newline, no indentation, nothing before or after). This is
 xgrammar's ``any_whitespace=False`` form, which the fast twin compiles: a
 model cannot spend its tokens on spaces, and both twins agree byte for byte.
+:class:`JsonLayout` changes it (``StructuredOutputsParams``' options):
+``compact`` (vLLM's ``disable_any_whitespace``) writes ``","`` and ``":"``,
+no white space at all; ``whitespace`` (vLLM's ``whitespace_pattern``, as
+outlines reads it) is a regex for the white space allowed after ``{`` and
+``[``, before ``}`` and ``]``, and on both sides of ``,`` and ``:``.
 
 The subset (anything else raises ``ValueError`` naming the keyword; the fast
 twin serves much more, see ``docs/structured_outputs.md``):
@@ -44,7 +49,9 @@ optional fraction and an optional exponent.
 
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -68,20 +75,74 @@ _KEYWORDS = MappingProxyType({
 })  # fmt: skip
 
 
-def schema_to_regex(schema: Any) -> str:
-    """The regex of every document valid under ``schema`` (the subset above).
+@dataclass(frozen=True)
+class JsonLayout:
+    """Where white space may go in a JSON document (see the whitespace rule above).
+
+    Attributes:
+        compact: separators ``","`` and ``":"`` instead of ``", "`` and ``": "``.
+        whitespace: a regex for the white space allowed around the structural
+            characters (``{ } [ ] , :``), as outlines places it; the separators
+            are then ``","`` and ``":"`` with this regex on both sides. None: none.
+    """
+
+    compact: bool = False
+    whitespace: str | None = None
+
+    @property
+    def _ws(self) -> str:
+        return "" if self.whitespace is None else f"(?:{self.whitespace})"
+
+    @property
+    def comma(self) -> str:
+        return self._ws + ("," if self.compact or self.whitespace is not None else COMMA) \
+            + self._ws
+
+    @property
+    def colon(self) -> str:
+        return self._ws + (":" if self.compact or self.whitespace is not None else COLON) \
+            + self._ws
+
+    def wrap(self, open_: str, inner: str, close: str) -> str:
+        """``open_ inner close`` (escaped brackets) with the white space inside them."""
+        return open_ + self._ws + inner + self._ws + close
+
+
+def schema_to_regex(schema: Any, layout: JsonLayout = JsonLayout()) -> str:
+    """The regex of every document valid under ``schema`` (the subset above),
+    written in ``layout``.
 
     ``ValueError`` says which keyword the ref does not support, or what is wrong.
     """
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, got {schema!r}")
     defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
-    return _Converter(defs).convert(schema, "#", ())
+    return _Converter(defs, layout).convert(schema, "#", ())
+
+
+def forbid_additional_properties(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that
+    does not say (vLLM's ``disable_additional_properties``; its guidance backend
+    rewrites the schema the same way). A copy; ``schema`` is not changed."""
+    def visit(node: Any) -> Any:
+        if isinstance(node, list):
+            return [visit(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: (v if k in ("enum", "const", "default", "examples") else visit(v))
+               for k, v in node.items()}
+        if ("properties" in node or node.get("type") == "object") \
+                and "additionalProperties" not in node:
+            out["additionalProperties"] = False
+        return out
+
+    return visit(copy.deepcopy(schema))
 
 
 class _Converter:
-    def __init__(self, defs: dict) -> None:
+    def __init__(self, defs: dict, layout: JsonLayout) -> None:
         self.defs = defs
+        self.layout = layout
 
     def convert(self, schema: Any, path: str, refs: tuple[str, ...]) -> str:
         """The regex of ``schema`` at JSON pointer ``path``; ``refs`` guards recursion."""
@@ -170,11 +231,13 @@ class _Converter:
         hi = _count(schema, "maxItems", None, path)
         if hi is not None and hi < lo:
             raise ValueError(f"{path}: minItems {lo} is greater than maxItems {hi}")
+        empty = self.layout.wrap(r"\[", "", r"\]")
         if hi == 0:
-            return r"\[\]"
-        more = f"(?:{COMMA}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
-        full = rf"\[{item}{more}\]"
-        return rf"(?:\[\]|{full})" if lo == 0 else full
+            return empty
+        comma = self.layout.comma
+        more = f"(?:{comma}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
+        full = self.layout.wrap(r"\[", item + more, r"\]")
+        return rf"(?:{empty}|{full})" if lo == 0 else full
 
     def type_object(self, schema: dict, path: str, refs) -> str:
         if schema.get("additionalProperties", False) is not False:
@@ -191,13 +254,14 @@ class _Converter:
         if not isinstance(required, list) or any(r not in props for r in required):
             raise ValueError(f"{path}/required must list names from 'properties', "
                              f"got {required!r}")
-        members = [(escape(json.dumps(name, ensure_ascii=False)) + COLON
+        members = [(escape(json.dumps(name, ensure_ascii=False)) + self.layout.colon
                     + self.convert(sub, f"{path}/properties/{name}", refs), name in required)
                    for name, sub in props.items()]
-        return r"\{" + _members(members) + r"\}"
+        inner = _members(members, self.layout.comma)  # may be empty: every property optional
+        return self.layout.wrap(r"\{", inner, r"\}")
 
 
-def _members(members: list[tuple[str, bool]]) -> str:
+def _members(members: list[tuple[str, bool]], comma: str = COMMA) -> str:
     """The properties, in order, separated by commas, every required one present.
 
     ``rest(i)``: what may follow once some property has been written (each
@@ -208,7 +272,7 @@ def _members(members: list[tuple[str, bool]]) -> str:
     rest = [""] * (n + 1)
     for i in range(n - 1, -1, -1):
         member, required = members[i]
-        one = f"(?:{COMMA}{member})" + ("" if required else "?")
+        one = f"(?:{comma}{member})" + ("" if required else "?")
         rest[i] = one + rest[i + 1]
     first = ""  # first(n): every property left out
     for i in range(n - 1, -1, -1):
@@ -236,18 +300,20 @@ def _alt(options) -> str:
     return "(?:" + "|".join(options) + ")"
 
 
-def json_object_regex(depth: int = JSON_OBJECT_MAX_DEPTH) -> str:
-    """Any JSON object nested at most ``depth`` deep, in the whitespace rule above.
+def json_object_regex(depth: int = JSON_OBJECT_MAX_DEPTH,
+                      layout: JsonLayout = JsonLayout()) -> str:
+    """Any JSON object nested at most ``depth`` deep, written in ``layout``.
 
     The ref's ``json_object``: a regex cannot count brackets without bound, so
     objects and arrays may nest ``depth`` levels (``{"a": [1]}`` is depth 2);
     within that bound it allows exactly what the fast twin allows.
     """
     value = _alt([STRING, NUMBER, BOOLEAN, NULL])  # depth 0: scalars only
-    obj = r"\{\}"
+    wrap, comma = layout.wrap, layout.comma
+    obj = wrap(r"\{", "", r"\}")
     for _ in range(depth):
-        member = STRING + COLON + value
-        obj = rf"(?:\{{\}}|\{{{member}(?:{COMMA}{member})*\}})"
-        array = rf"(?:\[\]|\[{value}(?:{COMMA}{value})*\])"
+        member = STRING + layout.colon + value
+        obj = _alt([wrap(r"\{", "", r"\}"), wrap(r"\{", f"{member}(?:{comma}{member})*", r"\}")])
+        array = _alt([wrap(r"\[", "", r"\]"), wrap(r"\[", f"{value}(?:{comma}{value})*", r"\]")])
         value = _alt([STRING, NUMBER, BOOLEAN, NULL, obj, array])
     return obj

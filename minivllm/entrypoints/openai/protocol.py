@@ -2,17 +2,17 @@
 
 Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 ``n``, ``stop``, ``seed``, ``logprobs``, ``stream_options``...), plus vLLM's
-extra sampling fields, which the ``openai`` client sends through
-``extra_body``: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``structured_outputs``. Chat also takes
-OpenAI's ``response_format``, ``tools`` and ``tool_choice``; they become a
-:class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Unknown fields are accepted and ignored, as
-vLLM does (clients such as LangChain send fields minivllm has no use for); the
-server logs a warning naming them (:meth:`_Request.ignored_fields`). Fields
-that are known but not supported (``logit_bias``, ``echo``, ``suffix``) are a
-400, so nobody believes they took effect. ``NaN`` and ``Infinity`` (which
-Python's JSON parser accepts) are refused in every float field.
+extra fields, which the ``openai`` client sends through ``extra_body``
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``request_id``, ``structured_outputs``...).
+``response_format``, ``structured_outputs`` and chat's ``tools`` become a
+:class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Every vLLM
+field is honoured or refused, never ignored: those minivllm cannot honour are
+a 400 naming them (checked here, or listed in :mod:`.fields` with the reason).
+Fields vLLM does not know either are accepted and ignored, as vLLM does
+(clients such as LangChain send fields nobody uses); the server logs a
+warning naming them (:meth:`_Request.ignored_fields`). ``NaN`` and
+``Infinity`` (which Python's JSON parser accepts) are refused in every float field.
 
 Sizes are capped by :class:`ServingLimits` (``minivllm serve --max-...``),
 checked before anything is tokenized. Ranges are checked once, by
@@ -23,44 +23,32 @@ checked before anything is tokenized. Ranges are checked once, by
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.entrypoints.openai.errors import (  # noqa: F401 (re-exported)
+    APIError,
+    check_prompt_chars,
+    check_stop,
+    check_text,
+)
+from minivllm.entrypoints.openai.fields import known_to_vllm, refusal_message
 from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's error JSON with an HTTP status.
-
-    ``status`` 400 (bad request), 401 (bad key), 404 (unknown model or path),
-    413 (body too large), 503 (overloaded), 500 (the engine failed).
-    """
-
-    TYPES = MappingProxyType({400: "invalid_request_error", 401: "authentication_error",
-                              404: "not_found_error", 413: "invalid_request_error",
-                              503: "service_unavailable", 500: "internal_error"})
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def body(self) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}``, as OpenAI answers."""
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
 
 
 class _Request(BaseModel):
     """A request body: unknown fields are kept aside (and logged), NaN/inf refused."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    #: The endpoint whose refused vLLM fields (:mod:`.fields`) are known, not ignored.
+    ENDPOINT: ClassVar[str] = ""
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
         """The unknown fields of this body and of its nested bodies, as dotted paths."""
-        names = [prefix + name for name in (self.model_extra or {})]
+        names = [prefix + name for name in (self.model_extra or {})
+                 if not known_to_vllm(name, self.ENDPOINT)]
         for name in type(self).model_fields:
             value = getattr(self, name)
             if isinstance(value, _Request):
@@ -68,44 +56,12 @@ class _Request(BaseModel):
         return names
 
 
-def check_prompt_chars(limits: ServingLimits, num_chars: int,
-                       field_name: str = "prompt") -> None:
-    """400 if a prompt of ``num_chars`` characters is over the cap."""
-    if num_chars > limits.max_prompt_chars:
-        raise APIError(400, f"{field_name} has {num_chars} characters, more than the "
-                            f"server's --max-prompt-chars {limits.max_prompt_chars}",
-                       field_name)
-
-def check_text(text: str, field_name: str = "prompt") -> None:
-    """400 if ``text`` is not valid Unicode: JSON's ``\\ud800`` escapes decode to a
-    lone surrogate, which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{field_name} is not valid Unicode: a lone surrogate "
-                            f"{text[e.start]!a} at character {e.start}", field_name) from None
-
-
-def check_stop(limits: ServingLimits, stop: str | list[str] | None,
-               stop_token_ids: list[int] | None) -> None:
-    """400 if there are too many stop strings or ids, or one string is too long."""
-    strings = [stop] if isinstance(stop, str) else list(stop or [])
-    for name, items in (("stop", strings), ("stop_token_ids", stop_token_ids or [])):
-        if len(items) > limits.max_stop_strings:
-            raise APIError(400, f"{name} has {len(items)} entries, more than the "
-                                f"server's --max-stop-strings {limits.max_stop_strings}", name)
-    longest = max(strings, key=len, default="")
-    if len(longest) > limits.max_stop_string_chars:
-        raise APIError(400, f"stop strings must have at most --max-stop-string-chars "
-                            f"{limits.max_stop_string_chars} characters, got one of "
-                            f"{len(longest)}", "stop")
-
-
 class StructuredOutputsField(_Request):
     """vLLM's ``structured_outputs`` extra (completions and chat): set exactly one field.
 
     ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (xgrammar's EBNF) or
-    ``json_object``; see :class:`minivllm.StructuredOutputsParams`.
+    ``json_object`` (none when ``response_format`` sets it), and vLLM's JSON options;
+    see :class:`minivllm.StructuredOutputsParams`.
     """
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
@@ -114,6 +70,10 @@ class StructuredOutputsField(_Request):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None  # refused (structured.py): xgrammar's tagged regions
 
 
 class JsonSchemaFormat(_Request):
@@ -127,9 +87,10 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """Chat's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    """``response_format``: ``text``, ``json_object`` or ``json_schema`` (``structural_tag``
+    is refused in :mod:`.structured`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
 
 
@@ -180,7 +141,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # no effect, as in vLLM
+    response_format: ResponseFormat | None = None
     # vLLM's extras (extra_body)
     top_k: int | None = None
     min_p: float | None = None
@@ -192,6 +154,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsField | None = None
+    spaces_between_special_tokens: bool = True
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    return_tokens_as_token_ids: bool | None = None
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False
@@ -207,6 +172,13 @@ class _SamplingFields(_Request):
         if self.use_beam_search:
             return self.to_beam_search_params()
         return self.to_sampling_params(defaults)
+
+    def check_fields(self) -> None:
+        """400 naming the first vLLM field this request asks for that minivllm refuses."""
+        for name, value in (self.model_extra or {}).items():
+            message = refusal_message(name, value, self.ENDPOINT)
+            if message is not None:
+                raise APIError(400, message, name)
 
     def check_limits(self, limits: ServingLimits, num_prompts: int = 1) -> None:
         """400 if the request is bigger than the server allows (before tokenizing)."""
@@ -281,6 +253,7 @@ class _SamplingFields(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
@@ -292,7 +265,9 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: continue a prompt (text, token ids, or a list of either)."""
 
+    ENDPOINT: ClassVar[str] = "completions"
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # BOS etc. when a text prompt is tokenized
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -365,6 +340,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: answer a conversation through the chat template."""
 
+    ENDPOINT: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -374,9 +350,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
+    documents: list[dict[str, str]] | None = None  # for templates that read them (RAG)
     logit_bias: dict[str, float] | None = None
-    # Structured outputs and tool calls (minivllm/entrypoints/openai/structured.py).
-    response_format: ResponseFormat | None = None
+    # Tool calls (minivllm/entrypoints/openai/structured.py).
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

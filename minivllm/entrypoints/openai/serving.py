@@ -170,14 +170,16 @@ class OpenAIServing:
             if getattr(req, "tool_choice", None) != "none" else None
         options = ChatOptions(req.chat_template or self.chat_templates.template,
                               req.add_generation_prompt, req.continue_final_message,
-                              tools, req.chat_template_kwargs)
+                              tools, req.chat_template_kwargs, getattr(req, "documents", None))
         conv = [m.for_template() for m in req.messages]
         check_prompt_chars(self.limits, sum(len(m["content"]) for m in conv), "messages")
         for m in conv:
             check_text(m["content"], "messages")
-        return await self.off_loop(self._apply_chat_template, conv, options)
+        return await self.off_loop(self._apply_chat_template, conv, options,
+                                   getattr(req, "add_special_tokens", False))
 
-    def _apply_chat_template(self, conv: list[dict], options: ChatOptions) -> list[int]:
+    def _apply_chat_template(self, conv: list[dict], options: ChatOptions,
+                             add_special_tokens: bool = False) -> list[int]:
         try:
             text = render_chat(self.tokenizer, conv, options)
         except ValueError as e:
@@ -185,7 +187,7 @@ class OpenAIServing:
             field = next((f for f in ("chat_template_kwargs", "continue_final_message",
                                       "chat_template") if msg.startswith(f)), "messages")
             raise APIError(400, msg, field) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """``prompt``'s token ids, after checking its length in characters."""
@@ -204,22 +206,25 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
         lora = self.check_model(req.model)
+        req.check_fields()
         texts = req.prompts()
         req.check_limits(self.limits, len(texts))
         # Token-id prompts are checked by the engine (length first, then the vocabulary).
-        prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
+        prompts = [p if isinstance(p, list) else await self.encode(p, req.add_special_tokens)
+                   for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=req.model or self.model_name,
-                    top_n=req.logprobs or 0)
+                    top_n=req.logprobs or 0, req=req)
         return await self._create(req, prompts, kind, lora, request_constraint(req))
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
         """A response dict, or (``stream=true``) an async iterator of SSE strings."""
         lora = self.check_model(req.model)
+        req.check_fields()
         req.check_limits(self.limits)
         constraint = request_constraint(req)  # 400s first: nothing is tokenized for them
         prompt = await self.chat_prompt(req)
         kind = Kind("chatcmpl", "chat.completion", chat=True, model=req.model or self.model_name,
-                    top_n=req.top_logprobs or 0,
+                    top_n=req.top_logprobs or 0, req=req,
                     tools=constraint.tools if constraint is not None else None)
         return await self._create(req, [prompt], kind, lora, constraint)
 
@@ -234,7 +239,7 @@ class OpenAIServing:
                                     f"(a beam search ranks, it samples nothing to constrain)",
                                "use_beam_search")
             params = dataclasses.replace(params, structured_outputs=constraint.params)
-        batch = [(prompt, params, f"{kind.id}-{p_idx}", lora)
+        batch = [(prompt, params, f"{kind.engine_id}-{p_idx}", lora)
                  for p_idx, prompt in enumerate(prompts)]
         try:
             # One command for the whole request: its prompts start in the same step.
@@ -341,7 +346,9 @@ class OpenAIServing:
         likely ones (ranks 1..top_n); the sampled token is listed among the top
         only if its rank is within them.
         """
-        decode = self.tokenizer.decode
+        # vLLM's return_tokens_as_token_ids: "token_id:42", for tokens that are no text.
+        decode = (lambda ids: f"token_id:{ids[0]}") if kind.token_ids_as_text \
+            else self.tokenizer.decode
         rows = []  # (token text, its logprob, [(top token text, logprob), ...])
         for tok, entry in zip(token_ids, entries):
             top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
@@ -375,8 +382,12 @@ class Kind:
     """What differs between the two endpoints: ids, object names and chunk shape."""
 
     def __init__(self, prefix: str, obj: str, chat: bool, model: str, top_n: int,
-                 tools: ToolCallFormat | None = None) -> None:
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+                 tools: ToolCallFormat | None = None, req=None) -> None:
+        nonce = uuid.uuid4().hex
+        # vLLM's request_id names the response; the engine's ids stay unique anyway.
+        self.id = f"{prefix}-{getattr(req, 'request_id', None) or nonce}"
+        self.engine_id = f"{prefix}-{nonce}"
+        self.token_ids_as_text = bool(getattr(req, "return_tokens_as_token_ids", False))
         self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
         self.tools = tools  # the answer becomes tool calls (chat with tool_choice)
         self.created = int(time.time())

@@ -1,14 +1,19 @@
 """Structured outputs and tool calls on the OpenAI API: request fields to a constraint, and back.
 
-Three request fields can constrain what the model writes; at most one may be
-used, and each becomes one :class:`~minivllm.StructuredOutputsParams`:
+Three request fields can constrain what the model writes, and become one
+:class:`~minivllm.StructuredOutputsParams`:
 
 - ``structured_outputs`` (vLLM's extra, completions and chat): ``{"json": schema}``,
   ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}`` or
-  ``{"json_object": true}``;
-- ``response_format`` (chat, OpenAI's): ``{"type": "json_schema", "json_schema":
-  {"name": ..., "schema": {...}}}`` or ``{"type": "json_object"}`` (``"text"``:
-  no constraint);
+  ``{"json_object": true}``, with vLLM's options ``disable_any_whitespace``,
+  ``disable_additional_properties`` and ``whitespace_pattern``
+  (``structural_tag`` is refused);
+- ``response_format`` (OpenAI's, completions and chat, as vLLM): ``{"type":
+  "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` or ``{"type":
+  "json_object"}`` (``"text"``: no constraint; ``"structural_tag"``: refused).
+  As in vLLM it is merged into ``structured_outputs``: that one's options
+  apply to it; both setting a (different) constraint is a 400 (vLLM would let
+  ``response_format`` overwrite it without a word);
 - ``tools`` with ``tool_choice`` (chat, OpenAI's), as vLLM serves them without
   a model-specific parser:
 
@@ -93,11 +98,12 @@ class Constraint:
 def request_constraint(req) -> Constraint | None:
     """The constraint a completion or chat request asks for (None: none); 400 on a mistake."""
     found: list[Constraint] = []
-    if req.structured_outputs is not None:
-        found.append(_from_extra(req.structured_outputs))
+    so, rf = req.structured_outputs, req.response_format
+    if rf is not None and rf.type != "text":
+        found.append(_from_response_format(rf, so))
+    elif so is not None:
+        found.append(_from_extra(so))
     if isinstance(req, ChatCompletionRequest):
-        if req.response_format is not None and req.response_format.type != "text":
-            found.append(_from_response_format(req.response_format))
         tools = _from_tools(req)
         if tools is not None:
             found.append(tools)
@@ -121,26 +127,60 @@ def _params(field: str, **kw) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kw)
     except ValueError as e:  # the message names the field already, or gets it here
+        option = next((o for o in _OPTIONS if str(e).startswith(o)), None)
+        if option is not None:  # a JSON option of structured_outputs
+            field = f"structured_outputs.{option}"
+            raise APIError(400, f"structured_outputs.{e}", field) from None
         message = str(e) if str(e).startswith("structured_outputs") else f"{field}: {e}"
         raise APIError(400, message, field) from None
 
 
-def _from_extra(so) -> Constraint:
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+def _constraint_fields(so) -> dict:
+    """The constraint ``structured_outputs`` sets (``{"json": ...}``; ``{}``: none)."""
+    if so.structural_tag is not None:
+        raise APIError(400, "structured_outputs.structural_tag (xgrammar's tagged regions) "
+                            "is not supported by minivllm; use json, regex, choice, grammar "
+                            "or json_object", "structured_outputs.structural_tag")
     kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
           "json_object": so.json_object}
-    chosen = [k for k, v in kw.items() if v is not None and v is not False]
-    field = f"structured_outputs.{chosen[0]}" if len(chosen) == 1 else "structured_outputs"
-    return Constraint(_params(field, **kw), field)
+    return {k: v for k, v in kw.items() if v is not None and v is not False}
 
 
-def _from_response_format(rf) -> Constraint:
+def _options(so) -> dict:
+    return {} if so is None else {k: getattr(so, k) for k in _OPTIONS}
+
+
+def _from_extra(so) -> Constraint:
+    chosen = _constraint_fields(so)
+    field = f"structured_outputs.{next(iter(chosen))}" if len(chosen) == 1 \
+        else "structured_outputs"
+    return Constraint(_params(field, **chosen, **_options(so)), field)
+
+
+def _from_response_format(rf, so) -> Constraint:
+    """``response_format``'s constraint, with ``structured_outputs``' options (vLLM's merge)."""
+    if rf.type == "structural_tag":
+        raise APIError(400, "response_format type 'structural_tag' (xgrammar's tagged "
+                            "regions) is not supported by minivllm; use 'json_schema', "
+                            "'json_object' or 'text'", "response_format")
     if rf.type == "json_object":
-        return Constraint(_params("response_format", json_object=True), "response_format")
-    field = "response_format.json_schema.schema"
-    if rf.json_schema is None or rf.json_schema.schema_ is None:
-        raise APIError(400, f"{field} is required with response_format type 'json_schema'",
-                       field)
-    return Constraint(_params(field, json=rf.json_schema.schema_), field)
+        field, mine = "response_format", {"json_object": True}
+    else:
+        field = "response_format.json_schema.schema"
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, f"{field} is required with response_format type "
+                                f"'json_schema'", field)
+        mine = {"json": rf.json_schema.schema_}
+    theirs = _constraint_fields(so) if so is not None else {}
+    if theirs and theirs != mine:
+        raise APIError(400, f"response_format and structured_outputs.{next(iter(theirs))} "
+                            f"both constrain the output; send one (structured_outputs may "
+                            f"still carry options such as disable_any_whitespace)",
+                       "response_format")
+    return Constraint(_params(field, **mine, **_options(so)), field)
 
 
 def _from_tools(req: ChatCompletionRequest) -> Constraint | None:
