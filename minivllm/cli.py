@@ -10,7 +10,11 @@ import sys
 import time
 from types import MappingProxyType
 
-from minivllm.entrypoints.openai.cli_args import add_serve_args, load_lora_modules
+from minivllm.entrypoints.openai.cli_args import (
+    add_serve_args,
+    load_lora_modules,
+    tool_call_options,
+)
 from minivllm.entrypoints.openai.limits import ServingLimits
 from minivllm.kv_quant import KV_CACHE_DTYPES
 
@@ -266,6 +270,7 @@ def cmd_serve(args) -> int:
             max_detokenize_tokens=args.max_detokenize_tokens, max_n=args.max_n)
         templates = ChatTemplates(load_chat_template(args.chat_template),
                                   args.trust_request_chat_template)
+        tool_options = tool_call_options(args)
     except ValueError as e:
         raise SystemExit(f"minivllm serve: {e}") from None
     if args.lora_modules and not args.enable_lora:
@@ -283,7 +288,7 @@ def cmd_serve(args) -> int:
                       log_level=args.uvicorn_log_level, limits=limits,
                       api_key_all_paths=args.api_key_all_paths, lora_modules=adapters,
                       allow_lora_updates=args.allow_runtime_lora_updating,
-                      chat_templates=templates)
+                      chat_templates=templates, tool_options=tool_options)
 
 
 def cmd_bench(args, rest: list[str]) -> int:

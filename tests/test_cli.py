@@ -63,3 +63,26 @@ def test_lora_modules_take_both_of_vllms_forms() -> None:
                      ("{oops", "not JSON")):
         with pytest.raises(ValueError, match=why):
             parse_lora_module(bad, "base")
+
+
+def test_serve_help_lists_the_tool_calling_flags(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    for flag in ("--enable-auto-tool-choice", "--tool-call-parser", "--tool-parser-plugin",
+                 "--exclude-tools-when-tool-choice-none"):
+        assert flag in out
+    assert "hermes, llama3_json" in out
+
+
+def test_tool_call_flags_are_checked_before_the_model_loads(tmp_path) -> None:
+    """A bad parser name stops ``serve`` at once, naming the parsers (no model is read:
+    the model path does not even exist)."""
+    missing = str(tmp_path / "no-model")
+    for flags, why in ((["--enable-auto-tool-choice", "--tool-call-parser", "x"],
+                        "choose from hermes, llama3_json"),
+                       (["--enable-auto-tool-choice"], "requires --tool-call-parser"),
+                       (["--tool-parser-plugin", "p.py"], "needs --tool-call-parser")):
+        with pytest.raises(SystemExit, match=why):
+            main(["serve", missing, "--device", "cpu", *flags])

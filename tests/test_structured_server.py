@@ -235,6 +235,19 @@ def test_bad_constraints_are_400s_naming_the_field(tiny, kw, field):
     assert m["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0
 
 
+def test_auto_tool_choice_needs_the_servers_parser_flags(tiny):
+    """Without --enable-auto-tool-choice, "auto" (also when left out with tools) is vLLM's 400."""
+    server, _ = tiny
+    for kw in (dict(tools=TOOLS), dict(tools=TOOLS, tool_choice="auto")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client(server).chat.completions.create(model="tiny", messages=MESSAGES,
+                                                   max_tokens=4, **kw)
+        body = info.value.body
+        assert body["param"] == "tool_choice", body
+        assert "--enable-auto-tool-choice" in body["message"]
+        assert "--tool-call-parser" in body["message"]
+
+
 def test_completions_bad_regex_and_tool_choice_none(tiny):
     server, _ = tiny
     c = client(server)

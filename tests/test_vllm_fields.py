@@ -121,9 +121,9 @@ VLLM_FIELDS: dict[str, Row] = {
     "logit_bias": R(BOTH, {"1": 2.0}),  # MERGE: logits shaping
     "allowed_token_ids": P(BOTH),  # MERGE: logits shaping
     "bad_words": P(CHAT),  # MERGE: logits shaping
-    "tools": H(CHAT, "tests/test_structured_server.py::test_named_tool_call_returns_openai_tool_calls"),  # MERGE: tool calling ("auto" is a 400 on main)
-    "tool_choice": H(CHAT, "tests/test_structured_server.py::test_required_tool_calls_name_a_tool_with_valid_arguments"),  # MERGE: tool calling
-    "parallel_tool_calls": H(CHAT, "tests/test_structured_server.py::test_required_tool_calls_name_a_tool_with_valid_arguments"),  # MERGE: tool calling
+    "tools": H(CHAT, "tests/test_structured_server.py::test_named_tool_call_returns_openai_tool_calls"),
+    "tool_choice": H(CHAT, "tests/test_tool_calling_server.py::test_auto_finds_the_models_call"),
+    "parallel_tool_calls": H(CHAT, "tests/test_structured_server.py::test_required_tool_calls_name_a_tool_with_valid_arguments"),
     "prompt_logprobs": P(BOTH),  # MERGE: prompt_logprobs/echo
     "echo": Row(C, "refused", True),  # MERGE: prompt_logprobs/echo (chat's echo: not yet)
     "priority": P(BOTH),  # MERGE: priority scheduling

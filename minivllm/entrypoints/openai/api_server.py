@@ -55,6 +55,7 @@ from minivllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.entrypoints.openai.tool_parsers import ToolCallOptions
 
 logger = logging.getLogger("minivllm")
 
@@ -190,7 +191,8 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
               limits: ServingLimits | None = None,
               api_key_all_paths: bool = False, lora_modules: dict | None = None,
               allow_lora_updates: bool = False,
-              chat_templates: ChatTemplates | None = None) -> FastAPI:
+              chat_templates: ChatTemplates | None = None,
+              tool_options: ToolCallOptions | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` as ``model_name``; metrics are registered on ``llm``.
 
     With ``api_key``, every path needs it except :data:`OPEN_PATHS`
@@ -200,7 +202,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     limits = limits or ServingLimits()
     metrics = PrometheusStatLogger(model_name)
     llm.stat_loggers.append(metrics)
-    serving = OpenAIServing(llm, model_name, limits, lora_modules, chat_templates)
+    serving = OpenAIServing(llm, model_name, limits, lora_modules, chat_templates, tool_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -381,13 +383,15 @@ def run_server(llm: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: in
                api_key: str | None = None, log_level: str = "warning",
                limits: ServingLimits | None = None, api_key_all_paths: bool = False,
                lora_modules: dict | None = None, allow_lora_updates: bool = False,
-               chat_templates: ChatTemplates | None = None) -> int:
+               chat_templates: ChatTemplates | None = None,
+               tool_options: ToolCallOptions | None = None) -> int:
     """Serve until SIGINT/SIGTERM, or until the engine dies (blocking); return the exit
     status (0, or 1 after a dead engine). Prints the URL once it listens."""
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _uvicorn_server(build_app(llm, model_name, api_key, limits, api_key_all_paths,
-                                       lora_modules, allow_lora_updates, chat_templates),
+                                       lora_modules, allow_lora_updates, chat_templates,
+                                       tool_options),
                              log_level, llm)
     generation = llm.engine.generation
     if generation.sampling:  # said as vLLM says it: requests that set nothing get these

@@ -11,6 +11,7 @@ import argparse
 import json
 
 from minivllm.entrypoints.openai.limits import ServingLimits
+from minivllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallOptions, get_tool_parser
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="take a request's own chat_template (a template is code the server "
                         "runs; without this flag such a request is a 400, as in vLLM)")
+    g = p.add_argument_group("tool calling (tool_choice 'required' and named functions need "
+                             "none of this)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice 'auto' (OpenAI's default when a request has tools): "
+                        "the model writes its calls in its own format, which "
+                        "--tool-call-parser reads back as tool_calls; without this flag such "
+                        "a request is a 400, as in vLLM")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help=f"the model's tool-call format, with --enable-auto-tool-choice: "
+                        f"{', '.join(TOOL_PARSERS)} (hermes: Hermes, Qwen2.5, Qwen3; "
+                        f"llama3_json: Llama 3.1-3.3), or one from --tool-parser-plugin")
+    g.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                   help="a Python file whose ToolParser subclasses (each with a name) join "
+                        "the parsers (code the server runs)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave the tools out of the chat template when a request says "
+                        "tool_choice 'none' (by default the template still describes them)")
     caps = ServingLimits()
     g = p.add_argument_group("request size caps (HTTP 413 or 400 beyond them)")
     g.add_argument("--max-request-body-bytes", type=int, default=caps.max_request_body_bytes,
@@ -67,6 +85,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'info' logs every request")
+
+
+def tool_call_options(args: argparse.Namespace) -> ToolCallOptions:
+    """The tool-calling flags, checked before the model loads (``ValueError``, as vLLM's
+    checks: the parser flags go together, and a parser name must exist)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser is None:
+        if args.tool_parser_plugin is not None:
+            raise ValueError("--tool-parser-plugin needs --tool-call-parser")
+        return ToolCallOptions(None, args.exclude_tools_when_tool_choice_none)
+    parser = get_tool_parser(args.tool_call_parser, args.tool_parser_plugin)
+    if not args.enable_auto_tool_choice:
+        raise ValueError("--tool-call-parser is used only with --enable-auto-tool-choice; "
+                         "add it")
+    return ToolCallOptions(parser, args.exclude_tools_when_tool_choice_none)
 
 
 def parse_lora_module(spec: str, served_name: str) -> tuple[str, str]:

@@ -17,11 +17,9 @@ Streaming is Server-Sent Events, as OpenAI::
     data: {"id": ..., "choices": [], "usage": {...}}      # with stream_options.include_usage
     data: [DONE]
 
-If the request fails on its own (the others go on) or the engine fails
-mid-stream, the client receives ``data: {"error": ...}``; before anything was
-streamed, a non-streamed request gets a 500 with OpenAI's error JSON.
-If the client hangs up, the stream is cancelled and every engine request
-behind it is aborted (its KV blocks freed).
+A request that fails on its own, or an engine that fails, ends a stream with
+``data: {"error": ...}`` (unstreamed: a 500 with OpenAI's error JSON). A client that
+hangs up cancels the stream and aborts its engine requests (blocks freed).
 """
 
 from __future__ import annotations
@@ -57,10 +55,10 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.structured import (
     Constraint,
     ToolCallFormat,
-    ToolCallStream,
     compile_error,
     request_constraint,
 )
+from minivllm.entrypoints.openai.tool_parsers import AutoToolCalls, ToolCallOptions
 from minivllm.sampling_params import BeamSearchParams
 
 
@@ -77,6 +75,7 @@ class OpenAIServing:
         model_name: the name clients must send as ``model`` (or leave out).
         limits: the size caps checked before anything is tokenized.
         chat_templates: ``--chat-template`` and ``--trust-request-chat-template``.
+        tool_options: ``--enable-auto-tool-choice``'s parser and its companion flags.
 
     Tokenizing and chat templating run on one worker thread (as vLLM's
     tokenizer executor), never on the event loop: a long prompt must not stall
@@ -86,8 +85,10 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, model_name: str,
                  limits: ServingLimits | None = None,
                  lora_modules: dict | None = None,
-                 chat_templates: ChatTemplates | None = None) -> None:
+                 chat_templates: ChatTemplates | None = None,
+                 tool_options: ToolCallOptions | None = None) -> None:
         self.llm = llm
+        self.tool_options = tool_options or ToolCallOptions()
         self.chat_templates = chat_templates or ChatTemplates()
         self.model_name = model_name
         #: LoRA adapters by served name (``--lora-modules``, ``/v1/load_lora_adapter``):
@@ -166,8 +167,11 @@ class OpenAIServing:
             raise APIError(400, "chat_template from a request needs the server's "
                                 "--trust-request-chat-template (a template is code the "
                                 "server runs); leave it out", "chat_template")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] \
-            if getattr(req, "tool_choice", None) != "none" else None
+        # vLLM describes the tools to the template even with tool_choice "none", unless
+        # --exclude-tools-when-tool-choice-none.
+        none = getattr(req, "tool_choice", None) == "none"
+        tools = None if none and self.tool_options.exclude_tools_when_tool_choice_none \
+            else [t.model_dump(exclude_none=True) for t in req.tools or []]
         options = ChatOptions(req.chat_template or self.chat_templates.template,
                               req.add_generation_prompt, req.continue_final_message,
                               tools, req.chat_template_kwargs, getattr(req, "documents", None))
@@ -221,11 +225,15 @@ class OpenAIServing:
         lora = self.check_model(req.model)
         req.check_fields()
         req.check_limits(self.limits)
-        constraint = request_constraint(req)  # 400s first: nothing is tokenized for them
+        parser = self.tool_options.parser
+        constraint = request_constraint(req, auto_tools=parser is not None)  # 400s first
         prompt = await self.chat_prompt(req)
+        tools = constraint.tools if constraint is not None else None
+        if tools is None and req.tools and req.tool_choice in (None, "auto"):
+            tools = AutoToolCalls(parser, self.tokenizer)  # the model's own calls, parsed
         kind = Kind("chatcmpl", "chat.completion", chat=True, model=req.model or self.model_name,
                     top_n=req.top_logprobs or 0, req=req,
-                    tools=constraint.tools if constraint is not None else None)
+                    tools=tools)
         return await self._create(req, [prompt], kind, lora, constraint)
 
     # -- shared machinery --------------------------------------------------------------
@@ -289,10 +297,9 @@ class OpenAIServing:
             lp = self._logprobs(kind, logprobs[i], token_ids[i]) \
                 if d.logprobs is not None else None
             choice = {"index": i, "finish_reason": d.finish_reason, "logprobs": lp}
-            calls = kind.tools.parse(texts[i]) if kind.tools is not None else None
-            if calls is not None:  # the answer is whole: OpenAI's tool calls
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                choice["finish_reason"] = "tool_calls"
+            if kind.tools is not None:  # the answer is whole: OpenAI's tool calls, if any
+                choice["message"], choice["finish_reason"] = kind.tools.reply(texts[i],
+                                                                              d.finish_reason)
             elif kind.chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
             else:
@@ -310,7 +317,7 @@ class OpenAIServing:
         ``continuous_usage``: every delta chunk also carries the usage so far."""
         num_out = [0] * len(streams)
         chunk = kind.chunk
-        calls = None if kind.tools is None else [ToolCallStream(kind.tools) for _ in streams]
+        calls = None if kind.tools is None else [kind.tools.stream() for _ in streams]
         try:
             if kind.chat:
                 yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -382,14 +389,14 @@ class Kind:
     """What differs between the two endpoints: ids, object names and chunk shape."""
 
     def __init__(self, prefix: str, obj: str, chat: bool, model: str, top_n: int,
-                 tools: ToolCallFormat | None = None, req=None) -> None:
+                 tools: ToolCallFormat | AutoToolCalls | None = None, req=None) -> None:
         nonce = uuid.uuid4().hex
         # vLLM's request_id names the response; the engine's ids stay unique anyway.
         self.id = f"{prefix}-{getattr(req, 'request_id', None) or nonce}"
         self.engine_id = f"{prefix}-{nonce}"
         self.token_ids_as_text = bool(getattr(req, "return_tokens_as_token_ids", False))
         self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
-        self.tools = tools  # the answer becomes tool calls (chat with tool_choice)
+        self.tools = tools  # the answer holds tool calls (chat with tools and tool_choice)
         self.created = int(time.time())
 
     def envelope(self, choices: list[dict], usage_: dict | None) -> dict:

@@ -23,10 +23,11 @@ Three request fields can constrain what the model writes, and become one
   - ``"required"``: the output is a JSON array of at least one (exactly one
     with ``parallel_tool_calls=false``) ``{"name": ..., "parameters": {...}}``
     objects, each naming one of the tools with arguments under its schema;
-  - ``"none"``: the tools are ignored, the answer is plain text;
-  - ``"auto"`` (OpenAI's default when tools are given): a 400, as vLLM answers
-    without ``--tool-call-parser``: choosing between text and a call needs a
-    parser for the model's own tool-call format, which minivllm has not.
+  - ``"none"``: no call is parsed, the answer is plain text;
+  - ``"auto"`` (OpenAI's default when tools are given): nothing is constrained;
+    the server's ``--tool-call-parser`` reads the model's own calls out of the
+    answer (:mod:`.tool_parsers`). Without ``--enable-auto-tool-choice`` it is a
+    400, as vLLM answers.
 
   The reply then carries OpenAI's ``tool_calls`` (:meth:`ToolCallFormat.parse`):
   ``content`` null, ``finish_reason`` ``"tool_calls"``.
@@ -78,6 +79,18 @@ class ToolCallFormat:
         return [tool_call(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False))
                 for v in value]
 
+    def reply(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The whole answer's ``message`` (tool calls, or text if it does not parse),
+        and the choice's ``finish_reason``."""
+        calls = self.parse(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+    def stream(self) -> ToolCallStream:
+        """The tool calls of one streamed choice."""
+        return ToolCallStream(self)
+
 
 def tool_call(name: str, arguments: str) -> dict:
     """One OpenAI tool call: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
@@ -95,8 +108,10 @@ class Constraint:
     tools: ToolCallFormat | None = None
 
 
-def request_constraint(req) -> Constraint | None:
-    """The constraint a completion or chat request asks for (None: none); 400 on a mistake."""
+def request_constraint(req, auto_tools: bool = False) -> Constraint | None:
+    """The constraint a completion or chat request asks for (None: none); 400 on a mistake.
+
+    ``auto_tools``: the server parses calls for ``tool_choice="auto"`` (else it is a 400)."""
     found: list[Constraint] = []
     so, rf = req.structured_outputs, req.response_format
     if rf is not None and rf.type != "text":
@@ -104,7 +119,7 @@ def request_constraint(req) -> Constraint | None:
     elif so is not None:
         found.append(_from_extra(so))
     if isinstance(req, ChatCompletionRequest):
-        tools = _from_tools(req)
+        tools = _from_tools(req, auto_tools)
         if tools is not None:
             found.append(tools)
     if len(found) > 1:
@@ -183,17 +198,19 @@ def _from_response_format(rf, so) -> Constraint:
     return Constraint(_params(field, **mine, **_options(so)), field)
 
 
-def _from_tools(req: ChatCompletionRequest) -> Constraint | None:
+def _from_tools(req: ChatCompletionRequest, auto_tools: bool) -> Constraint | None:
     choice, tools = req.tool_choice, req.tools or []
     if choice == "none" or (choice is None and not tools):
         return None
     if not tools:
         raise APIError(400, f"tool_choice {_show(choice)} needs tools", "tools")
     if choice in (None, "auto"):
-        raise APIError(400, "tool_choice 'auto' (the default with tools) needs a "
-                            "model-specific tool-call parser, which minivllm has not; use "
-                            "tool_choice 'required', a named function, or 'none'",
-                       "tool_choice")
+        if auto_tools:
+            return None  # the answer is free; a tool parser reads calls out of it
+        raise APIError(400, "tool_choice 'auto' (the default with tools) requires the "
+                            "server's --enable-auto-tool-choice and --tool-call-parser, as "
+                            "in vLLM; or use tool_choice 'required', a named function, or "
+                            "'none'", "tool_choice")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise APIError(400, f"tools must have distinct function names, got {names}", "tools")
