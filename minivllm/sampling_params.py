@@ -170,6 +170,18 @@ class SamplingParams:
         structured_outputs: constrain the output to a JSON schema, a regex,
             a list of choices, a grammar or any JSON object
             (:class:`StructuredOutputsParams`); ``None`` = unconstrained.
+        logit_bias: token id -> value added to that token's logit before
+            sampling (vLLM's and OpenAI's: clamped to ``[-100, 100]``; +100
+            all but forces the token, -100 all but bans it). Ids must be in
+            the vocabulary (checked when the engine adds the request).
+        allowed_token_ids: only these tokens may be generated (every other
+            logit becomes ``-inf``); must not be empty.
+        bad_words: words never generated: each is tokenized as written and
+            with a leading space; when the tokens generated so far end with
+            all but the last token of one, that last token is forbidden (a
+            one-token word always is). See docs/sampling.md.
+        extra_args: anything else, for custom logits processors to read
+            (vLLM's ``extra_args``); minivllm itself ignores it.
     """
 
     n: int = 1
@@ -192,7 +204,15 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
+    #: ``bad_words`` as token id sequences, set by the engine's input processor (it
+    #: holds the tokenizer), as vLLM's ``update_from_tokenizer`` does.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False,
+                                                         repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -213,6 +233,7 @@ class SamplingParams:
                              f"got {self.stop_token_ids!r}")
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        self._normalise_shaping()
         if type(self.output_kind) is int and self.output_kind in set(RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
         self.verify()
@@ -223,6 +244,28 @@ class SamplingParams:
                 stacklevel=3,
             )
             self.temperature = _MAX_TEMP
+
+    def _normalise_shaping(self) -> None:
+        """vLLM's forms: ``logit_bias`` keys as ints (``"42"`` -> 42), values clamped
+        to ``[-100, 100]``; tuples as lists. Bad types are left for :meth:`verify`."""
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            out = {}
+            for k, v in bias.items():
+                if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                    k = int(k)
+                if _is_real(v) and not math.isnan(v):
+                    v = min(100.0, max(-100.0, float(v)))
+                out[k] = v
+            self.logit_bias = out
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """``bad_words`` as token id sequences (None until the engine tokenized them)."""
+        return self._bad_words_token_ids
 
     @property
     def stop_strings(self) -> list[str]:
@@ -302,6 +345,36 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "a StructuredOutputsParams or None")
             self.structured_outputs.verify()
+        self._verify_shaping(bad)
+
+    def _verify_shaping(self, bad) -> None:
+        """Types of the logits-shaping fields; the engine checks ids against its vocabulary."""
+        def token_id(t: object) -> bool:
+            return _is_int(t) and 0 <= t <= _INT64_MAX
+
+        bias = self.logit_bias
+        if bias is not None and not (
+                isinstance(bias, dict) and all(token_id(k) for k in bias)
+                and all(_is_real(v) and math.isfinite(v) for v in bias.values())):
+            raise bad("logit_bias", "a dict of token id (a non-negative int) -> finite number, "
+                                    "or None")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not all(token_id(t) for t in allowed):
+                raise bad("allowed_token_ids", "a list of token ids (non-negative ints) or None")
+            if not allowed:
+                raise bad("allowed_token_ids", "a non-empty list (None allows every token)")
+        words = self.bad_words
+        if words is not None and not (isinstance(words, list) and all(
+                isinstance(w, str) and w.strip() for w in words)):
+            raise bad("bad_words", "a list of non-blank strings or None")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "a dict or None")
+
+    @property
+    def uses_logits_shaping(self) -> bool:
+        """True when a built-in logits processor has work for this request."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
 
 #: The most completions one request may ask for (``SamplingParams.n``), and the widest
