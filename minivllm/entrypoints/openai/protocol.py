@@ -5,12 +5,13 @@ Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 extra sampling fields, which the ``openai`` client sends through
 ``extra_body``: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``structured_outputs``. Chat also takes
+``include_stop_str_in_output``, ``structured_outputs``, ``allowed_token_ids``,
+``bad_words``; and OpenAI's ``logit_bias`` (:func:`logit_bias_ids`). Chat also takes
 OpenAI's ``response_format``, ``tools`` and ``tool_choice``; they become a
 :class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Unknown fields are accepted and ignored, as
 vLLM does (clients such as LangChain send fields minivllm has no use for); the
 server logs a warning naming them (:meth:`_Request.ignored_fields`). Fields
-that are known but not supported (``logit_bias``, ``echo``, ``suffix``) are a
+that are known but not supported (``echo``, ``suffix``) are a
 400, so nobody believes they took effect. ``NaN`` and ``Infinity`` (which
 Python's JSON parser accepts) are refused in every float field.
 
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.entrypoints.openai.limits import ServingLimits
+from minivllm.entrypoints.openai.logit_bias import logit_bias_ids
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -192,6 +194,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsField | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False
@@ -283,6 +288,9 @@ class _SamplingFields(_Request):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                logit_bias=logit_bias_ids(self.logit_bias),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
             )
         except ValueError as e:
             # SamplingParams names the field first: "top_p must be in (0, 1], got 2.0".
@@ -298,7 +306,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: strings, or lists of token ids."""
@@ -310,7 +317,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def _check_unsupported(self) -> None:
-        for name, default in (("echo", False), ("suffix", None), ("logit_bias", None)):
+        for name, default in (("echo", False), ("suffix", None)):
             if getattr(self, name) != default:
                 raise APIError(400, f"{name} is not supported by minivllm; leave it out", name)
         if self.best_of not in (None, self.n):
@@ -374,7 +381,6 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
     # Structured outputs and tool calls (minivllm/entrypoints/openai/structured.py).
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
@@ -382,9 +388,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
     def _check_unsupported(self) -> None:
-        if self.logit_bias is not None:
-            raise APIError(400, "logit_bias is not supported by minivllm; leave it out",
-                           "logit_bias")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < -1:  # the engine caps it

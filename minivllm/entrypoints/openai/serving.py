@@ -63,6 +63,9 @@ from minivllm.entrypoints.openai.structured import (
 )
 from minivllm.sampling_params import BeamSearchParams
 
+#: Request fields whose engine-side errors (ids past the vocabulary...) begin with their name.
+_PARAM_FIELDS = ("logprobs", "logit_bias", "allowed_token_ids", "bad_words")
+
 
 def sse(obj: dict | str) -> str:
     """One Server-Sent Event carrying ``obj`` as JSON (or ``[DONE]``)."""
@@ -244,8 +247,8 @@ class OpenAIServing:
                 raise compile_error(constraint, e.reason) from None  # the same for every prompt
             where = f"prompt {e.index}: " if len(prompts) > 1 else ""
             # The group's own checks name n (as beam_width, for a beam search).
-            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else \
-                "logprobs" if e.reason.startswith("logprobs") else "prompt"
+            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else next(
+                (f for f in _PARAM_FIELDS if e.reason.startswith(f)), "prompt")
             raise APIError(400, where + e.reason, field) from None
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
