@@ -252,7 +252,7 @@ class SamplingParams:
         if isinstance(bias, dict):
             out = {}
             for k, v in bias.items():
-                if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                if isinstance(k, str) and k.strip().isascii() and k.strip().lstrip("-").isdigit():
                     k = int(k)
                 if _is_real(v) and not math.isnan(v):
                     v = min(100.0, max(-100.0, float(v)))

@@ -245,6 +245,7 @@ def test_shaper_reports_a_request_left_with_no_token():
     (dict(logit_bias={"x": 1.0}), "logit_bias"),
     (dict(logit_bias={1: float("nan")}), "logit_bias"),
     (dict(logit_bias={True: 1.0}), "logit_bias"),
+    (dict(logit_bias={"\u00b2": 1.0}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1.0]), "allowed_token_ids"),

@@ -99,6 +99,9 @@ class LogitBiasLogitsProcessor(_ref.LogitBiasLogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate) -> None:
         super().update_state(batch_update)
+        if not self.states:  # the common case: no request biases anything
+            self._key, self._index, self._values = None, None, None
+            return
         key = (tuple(self.rows), tuple(self.states))
         if key == self._key:
             return

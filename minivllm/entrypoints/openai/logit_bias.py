@@ -20,7 +20,7 @@ def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | No
         return None
     out = {}
     for key, bias in logit_bias.items():
-        if not (isinstance(key, str) and key.strip().isdigit()):
+        if not (isinstance(key, str) and key.strip().isascii() and key.strip().isdigit()):
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers "
                              f"written as strings), got {str(key)[:40]!r}")
         if not (isinstance(bias, (int, float)) and math.isfinite(bias)
