@@ -81,6 +81,7 @@ COMPONENTS: Mapping[str, str] = MappingProxyType({
     "model_runner": "host",
     "structured_output": "host",
     "lora": "kernel",
+    "logits_processors": "host",
     "sampler": "host",
     "rejection_sampler": "host",
     "ngram_proposer": "host",

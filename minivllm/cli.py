@@ -98,6 +98,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="the most logprobs (top_logprobs) a request may ask for; -1 lifts the "
                         "cap, and then logprobs=-1 returns the whole vocabulary's (default 20, "
                         "as vLLM)")
+    g.add_argument("--logits-processors", nargs="+", default=None, metavar="PKG.MODULE:CLASS",
+                   help="custom logits processors (LogitsProcessor subclasses, as vLLM's), "
+                        "applied to every step's logits after logit_bias, allowed_token_ids "
+                        "and bad_words (docs/sampling.md)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="the model's recommended sampling defaults and EOS ids, as vLLM: "
                         "'auto' reads generation_config.json beside the model, 'vllm' ignores "
@@ -154,6 +158,7 @@ def _make_llm(args):
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout_s,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
+        logits_processors=args.logits_processors,
     )
 
 

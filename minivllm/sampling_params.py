@@ -9,11 +9,12 @@ value and the range allowed.
 from __future__ import annotations
 
 import enum
-import json as _json
 import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from minivllm.structured_outputs_params import StructuredOutputsParams  # noqa: F401  (re-exported)
 
 _SAMPLING_EPS = 1e-5
 #: Temperatures in (0, 1e-2) make logits / T overflow; vLLM raises them to 1e-2.
@@ -34,137 +35,6 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Constrain a request's output to a language (vLLM's ``StructuredOutputsParams``).
-
-    Set exactly one of:
-
-    Args:
-        json: a JSON schema, as a dict or a JSON string: the output is a JSON
-            document valid under it, written as ``json.dumps`` writes it
-            (separators ``", "`` and ``": "``, no other white space).
-        regex: the output matches this regular expression in full.
-        choice: the output is exactly one of these strings.
-        grammar: the output is a sentence of this context-free grammar, in
-            xgrammar's EBNF (the GBNF dialect of llama.cpp: rules
-            ``name ::= ...``, strings ``"..."``, classes ``[a-z]``, ``* + ?``,
-            groups, alternatives ``|``; the start rule is ``root``).
-        json_object: ``True``: the output is some JSON object (no schema).
-
-    and, for ``json`` (and ``json_object``), vLLM's options:
-
-    Args:
-        disable_any_whitespace: write JSON with separators ``","`` and ``":"``,
-            no white space at all (default: ``", "`` and ``": "``, see below).
-        disable_additional_properties: an object schema without
-            ``additionalProperties`` allows no other key. minivllm's compilers
-            already read such schemas so (as xgrammar, vLLM's default backend,
-            does), so this only makes it explicit in the schema.
-        whitespace_pattern: ``json`` only: a regex for the white space allowed
-            around ``{ } [ ] , :`` (outlines' option); the separators are then
-            ``","`` and ``":"``. The fast twin compiles it through the ref's
-            schema-to-regex translation, so only the ref's schema subset.
-
-    Types and obvious mistakes are caught here (``ValueError`` naming the
-    field); content errors (a schema or regex that does not compile) are
-    caught when the engine compiles the constraint, before the request is
-    queued (``StructuredOutputBackend.compile``). See ``docs/structured_outputs.md``.
-    """
-
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.choice, tuple):
-            self.choice = list(self.choice)
-        self.verify()
-
-    @property
-    def kind(self) -> str:
-        """The one field that is set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"``
-        or ``"json_object"``."""
-        return self._set_fields()[0]
-
-    def _set_fields(self) -> list[str]:
-        return [name for name in _CONSTRAINT_FIELDS
-                if getattr(self, name) is not None and getattr(self, name) is not False]
-
-    def verify(self) -> None:
-        """Raise ``ValueError`` naming the field if the constraint is malformed.
-
-        Run when the object is made and again by ``SamplingParams.verify``.
-        """
-        chosen = self._set_fields()
-        if len(chosen) != 1:
-            raise ValueError(f"structured_outputs: set exactly one of "
-                             f"{', '.join(_CONSTRAINT_FIELDS)}, got "
-                             f"{', '.join(chosen) if chosen else 'none'}")
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError(f"json_object must be True, False or None, got {self.json_object!r}")
-        if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = _json.loads(schema)
-                except ValueError as e:
-                    raise ValueError(f"json must be a JSON schema (a dict or a JSON string); "
-                                     f"the string is not JSON: {e}") from None
-            elif isinstance(schema, dict):
-                try:
-                    _json.dumps(schema)
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"json: the schema is not JSON-serialisable: {e}") from None
-            if not isinstance(schema, dict):
-                raise ValueError(f"json must be a JSON schema object (a dict or a JSON string "
-                                 f"holding an object), got {self.json!r}")
-        for name in ("regex", "grammar"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
-        if self.choice is not None:
-            if not isinstance(self.choice, list) or not self.choice:
-                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
-            bad = [c for c in self.choice if not isinstance(c, str)]
-            if bad:
-                raise ValueError(f"choice must be a non-empty list of strings, got {bad[0]!r} "
-                                 f"in {self.choice!r}")
-        self._verify_options(chosen[0])
-
-    def _verify_options(self, kind: str) -> None:
-        """The JSON options: their types, and that they apply to the constraint."""
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise ValueError(f"{name} must be True or False, got {v!r}")
-            if v and kind not in ("json", "json_object"):
-                raise ValueError(f"{name} applies to json and json_object constraints, "
-                                 f"not to {kind}")
-        w = self.whitespace_pattern
-        if w is None:
-            return
-        if not isinstance(w, str) or not w:
-            raise ValueError(f"whitespace_pattern must be a non-empty string or None, got {w!r}")
-        if kind != "json":
-            raise ValueError(f"whitespace_pattern applies to json constraints, not to {kind}")
-        if self.disable_any_whitespace:
-            raise ValueError("whitespace_pattern cannot be combined with "
-                             "disable_any_whitespace (which allows no white space)")
-
-    def json_schema(self) -> dict[str, Any]:
-        """``json`` as a dict (parsed if it was given as a string)."""
-        return _json.loads(self.json) if isinstance(self.json, str) else self.json
-
-
-_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -211,6 +81,18 @@ class SamplingParams:
         structured_outputs: constrain the output to a JSON schema, a regex,
             a list of choices, a grammar or any JSON object
             (:class:`StructuredOutputsParams`); ``None`` = unconstrained.
+        logit_bias: token id -> value added to that token's logit before
+            sampling (vLLM's and OpenAI's: clamped to ``[-100, 100]``; +100
+            all but forces the token, -100 all but bans it). Ids must be in
+            the vocabulary (checked when the engine adds the request).
+        allowed_token_ids: only these tokens may be generated (every other
+            logit becomes ``-inf``); must not be empty.
+        bad_words: words never generated: each is tokenized as written and
+            with a leading space; when the tokens generated so far end with
+            all but the last token of one, that last token is forbidden (a
+            one-token word always is). See docs/sampling.md.
+        extra_args: anything else, for custom logits processors to read
+            (vLLM's ``extra_args``); minivllm itself ignores it.
     """
 
     n: int = 1
@@ -234,7 +116,15 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
+    #: ``bad_words`` as token id sequences, set by the engine's input processor (it
+    #: holds the tokenizer), as vLLM's ``update_from_tokenizer`` does.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False,
+                                                         repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -255,6 +145,7 @@ class SamplingParams:
                              f"got {self.stop_token_ids!r}")
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        self._normalise_shaping()
         if type(self.output_kind) is int and self.output_kind in set(RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
         self.verify()
@@ -265,6 +156,28 @@ class SamplingParams:
                 stacklevel=3,
             )
             self.temperature = _MAX_TEMP
+
+    def _normalise_shaping(self) -> None:
+        """vLLM's forms: ``logit_bias`` keys as ints (``"42"`` -> 42), values clamped
+        to ``[-100, 100]``; tuples as lists. Bad types are left for :meth:`verify`."""
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            out = {}
+            for k, v in bias.items():
+                if isinstance(k, str) and k.strip().isascii() and k.strip().lstrip("-").isdigit():
+                    k = int(k)
+                if _is_real(v) and not math.isnan(v):
+                    v = min(100.0, max(-100.0, float(v)))
+                out[k] = v
+            self.logit_bias = out
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """``bad_words`` as token id sequences (None until the engine tokenized them)."""
+        return self._bad_words_token_ids
 
     @property
     def stop_strings(self) -> list[str]:
@@ -344,6 +257,36 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "a StructuredOutputsParams or None")
             self.structured_outputs.verify()
+        self._verify_shaping(bad)
+
+    def _verify_shaping(self, bad) -> None:
+        """Types of the logits-shaping fields; the engine checks ids against its vocabulary."""
+        def token_id(t: object) -> bool:
+            return _is_int(t) and 0 <= t <= _INT64_MAX
+
+        bias = self.logit_bias
+        if bias is not None and not (
+                isinstance(bias, dict) and all(token_id(k) for k in bias)
+                and all(_is_real(v) and math.isfinite(v) for v in bias.values())):
+            raise bad("logit_bias", "a dict of token id (a non-negative int) -> finite number, "
+                                    "or None")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not all(token_id(t) for t in allowed):
+                raise bad("allowed_token_ids", "a list of token ids (non-negative ints) or None")
+            if not allowed:
+                raise bad("allowed_token_ids", "a non-empty list (None allows every token)")
+        words = self.bad_words
+        if words is not None and not (isinstance(words, list) and all(
+                isinstance(w, str) and w.strip() for w in words)):
+            raise bad("bad_words", "a list of non-blank strings or None")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "a dict or None")
+
+    @property
+    def uses_logits_shaping(self) -> bool:
+        """True when a built-in logits processor has work for this request."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
 
 #: The most completions one request may ask for (``SamplingParams.n``), and the widest

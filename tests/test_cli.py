@@ -86,3 +86,18 @@ def test_tool_call_flags_are_checked_before_the_model_loads(tmp_path) -> None:
                        (["--tool-parser-plugin", "p.py"], "needs --tool-call-parser")):
         with pytest.raises(SystemExit, match=why):
             main(["serve", missing, "--device", "cpu", *flags])
+
+
+def test_logits_processors_flag_reaches_the_engine(tiny_model_dir, capsys) -> None:
+    """``--logits-processors pkg.module:Class`` is loaded by the engine; a bad path is an
+    error naming logits_processors, and serve's --help documents the flag."""
+    model = str(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match="logits_processors"):
+        main(["generate", "hello", "--model", model, "--device", "cpu", "--max-tokens", "2",
+              "--backend", "ref", "--logits-processors", "math:pi"])
+    assert main(["generate", "hello", "--model", model, "--device", "cpu", "--max-tokens", "2",
+                 "--backend", "ref", "--logits-processors",
+                 "test_logits_processors:Recorder"]) == 0
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--logits-processors" in capsys.readouterr().out

@@ -253,7 +253,12 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(extra_body={"min_tokens": 9}, max_tokens=4), 400, "min_tokens"),
     (dict(extra_body={"top_k": -3}), 400, "top_k"),
     (dict(echo=True), 400, "echo"),
-    (dict(logit_bias={"1": 2.0}), 400, "logit_bias"),
+    (dict(logit_bias={"1": 200.0}), 400, "logit_bias"),
+    (dict(logit_bias={"one": 1.0}), 400, "logit_bias"),
+    (dict(logit_bias={"99999": 1.0}), 400, "logit_bias"),
+    (dict(extra_body={"allowed_token_ids": []}), 400, "allowed_token_ids"),
+    (dict(extra_body={"allowed_token_ids": [1, 99999]}), 400, "allowed_token_ids"),
+    (dict(extra_body={"bad_words": [" "]}), 400, "bad_words"),
     (dict(stop=[f"s{i}" for i in range(17)]), 400, "--max-stop-strings"),
     (dict(stop=["x" * 257]), 400, "--max-stop-string-chars"),
     (dict(extra_body={"stop_token_ids": list(range(17))}), 400, "--max-stop-strings"),
@@ -261,6 +266,35 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(prompt=list(range(MAX_MODEL_LEN + 1))), 400, "257 tokens"),
     (dict(model="no-such-model"), 404, "no-such-model"),
 ]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_match_the_offline_engine(tiny) -> None:
+    """OpenAI's logit_bias (string ids) and vLLM's allowed_token_ids / bad_words reach the
+    engine: the server's text is the offline engine's with the same controls, which
+    differs from the unshaped text (so a field dropped on the way would show)."""
+    server, llm = tiny
+    c, tok = client(server), llm.get_tokenizer()
+    prompt, n = "Hello there, ", 6
+    base = offline(llm, prompt, temperature=0, max_tokens=n, ignore_eos=True).outputs[0]
+    x = next(t for t in range(256) if tok.decode([t]).isalpha() and tok.decode([t + 1]).isalpha()
+             and t not in base.token_ids)
+    word = next(w for w in (tok.decode([t]) for t in base.token_ids) if w.strip().isalnum())
+    cases = [(dict(logit_bias={str(x): 100}), dict(logit_bias={x: 100.0})),
+             (dict(extra_body={"allowed_token_ids": [x, x + 1]}),
+              dict(allowed_token_ids=[x, x + 1])),
+             (dict(extra_body={"bad_words": [word]}), dict(bad_words=[word]))]
+    for http, engine in cases:
+        want = offline(llm, prompt, temperature=0, max_tokens=n, ignore_eos=True, **engine)
+        assert want.outputs[0].text != base.text, engine
+        http = {**http, "extra_body": {"ignore_eos": True, **http.get("extra_body", {})}}
+        got = c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=n,
+                                   **http)
+        assert got.choices[0].text == want.outputs[0].text, engine
+    assert set(want.outputs[0].token_ids) != set(base.token_ids)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                     temperature=0, max_tokens=4, logit_bias={str(x): 100},
+                                     extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tok.decode([x] * 4)
 
 
 def test_every_bad_input_gets_its_4xx_and_the_server_still_answers(tiny) -> None:

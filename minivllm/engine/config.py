@@ -21,6 +21,7 @@ from minivllm import backend
 from minivllm.config import _require, cdiv, check_block_size, check_chunked_prefill
 from minivllm.dtype import DTYPES
 from minivllm.kv_quant import check_kv_cache_dtype
+from minivllm.logits_processor import load_logits_processor
 from minivllm.lora.manager import LoRAConfig
 from minivllm.model.generation_config import check_generation_config
 from minivllm.model.quantization import check_quantization
@@ -196,6 +197,10 @@ class EngineConfig:
     ``structured_outputs_compile_timeout_s`` caps the compilation of one
     request's constraint (a JSON schema, regex, choice or grammar; None: no
     cap): a constraint that takes longer is refused with a ``ValueError``.
+    ``logits_processors`` (vLLM's): custom
+    :class:`~minivllm.logits_processor.LogitsProcessor` classes, or their
+    ``"pkg.module:Class"`` / ``"pkg.module.Class"`` paths, applied to every
+    step's logits after the built-ins (docs/sampling.md); loaded here, once.
 
     Read once from the environment when left at None: ``pp_layer_partition``
     (``$MINIVLLM_PP_LAYER_PARTITION``), ``prepack`` (``$MINIVLLM_PREPACK``,
@@ -234,6 +239,7 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float | None = 10.0
     generation_config: str = "auto"
     max_logprobs: int = 20
+    logits_processors: tuple | list | None = None
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one rule each); read the environment."""
@@ -299,6 +305,10 @@ class EngineConfig:
         check_chunked_prefill(self.enable_chunked_prefill, self.max_num_batched_tokens,
                               self.max_model_len)
         check_generation_config(self.generation_config)
+        procs = self.logits_processors
+        _require(procs is None or isinstance(procs, (list, tuple)), "logits_processors", procs,
+                 "None or a list of LogitsProcessor classes or 'pkg.module:Class' paths")
+        self.logits_processors = tuple(load_logits_processor(p) for p in procs or ())
         self.lora_config()  # max_loras, max_lora_rank, max_cpu_loras: ValueError names one
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("enable_lora does not run with speculative_config: the draft "

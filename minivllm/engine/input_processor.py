@@ -6,7 +6,10 @@ naming the field and leaves the engine as it was:
 
 - the types, an empty prompt, prompt + ``max_tokens`` beyond
   ``max_model_len`` (checked before the ids are scanned, so a huge prompt
-  costs nothing), token ids outside the vocabulary (:meth:`InputProcessor.validate_prompt`);
+  costs nothing), token ids outside the vocabulary, in the prompt, in
+  ``logit_bias`` or ``allowed_token_ids`` (:meth:`InputProcessor.validate_prompt`);
+- ``bad_words``, tokenized (:func:`bad_words_token_ids`), and each custom
+  logits processor's ``validate_params``;
 - the sampling parameters again (a ``SamplingParams`` can be changed after it
   was made), the request id;
 - the :class:`~minivllm.request.Request`, its own generator (for a seed: a
@@ -102,6 +105,12 @@ class InputProcessor:
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):  # types: SamplingParams.verify
+            ids = getattr(sampling_params, name) or ()
+            bad = [t for t in ids if isinstance(t, int) and t >= vocab]
+            if bad:
+                raise ValueError(f"{name} must hold token ids in [0, {vocab}) (the model's "
+                                 f"vocabulary), got {sorted(bad)[:5]}")
 
     def process(self, prompt: str | None, prompt_token_ids: list[int],
                 sampling_params: SamplingParams, request_id: str, lora_request: Any = None,
@@ -116,6 +125,11 @@ class InputProcessor:
         sampling_params = self.generation.with_eos(sampling_params, self.eos_token_id)
         if sampling_params.logprobs == -1:  # the whole vocabulary, as a number from here on
             sampling_params = dataclasses.replace(sampling_params, logprobs=self.vocab_size)
+        if sampling_params.bad_words:  # on a copy: the caller's params stay as they were
+            sampling_params = dataclasses.replace(sampling_params)
+            sampling_params._bad_words_token_ids = bad_words_token_ids(
+                self.tokenizer, sampling_params.bad_words, self.vocab_size)
+        self.sampler.shaper.validate(sampling_params)  # custom logits processors' rules
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id,
@@ -123,3 +137,27 @@ class InputProcessor:
         generator = self.sampler.make_generator(request)
         detokenizer = IncrementalDetokenizer.from_request(self.tokenizer, request)
         return request, RequestState(prompt, detokenizer, sampling_params), generator
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
+    """Each bad word's token ids, as written and with a leading space (vLLM's rule).
+
+    The word is stripped of leading white space first, then encoded without
+    special tokens as ``word`` and as ``" " + word``, so that it is forbidden
+    both at the start of the text and after a space; identical sequences are
+    kept once. ``ValueError`` naming ``bad_words`` without a tokenizer, or if an
+    id falls outside the vocabulary.
+    """
+    if tokenizer is None:
+        raise ValueError("bad_words needs the model's tokenizer, and this engine has none")
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    bad = sorted({t for ids in out for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        raise ValueError(f"bad_words: their tokens must be in [0, {vocab_size}) (the model's "
+                         f"vocabulary), got {bad[:5]}")
+    return out

@@ -8,7 +8,7 @@ The loop that ties every component together (:meth:`LLMEngine.step`)::
                                                      # build metadata, run the forward
     logits = pending.result()                        # (num_sampled, vocab), on rank 0
     structured.mask_logits(logits, reqs, drafts)     # constrained rows: -inf where forbidden
-    rows = sampler.sample(logits, reqs, drafts)      # one token each (more when verifying drafts)
+    rows = sampler.sample(logits, reqs, drafts)      # logits processors, then one token each
     finished = scheduler.update_from_output(so, ...) # append tokens, check stops, free blocks
     structured.advance(rows, ...)                    # grammars accept; terminated: "stop"
     outputs = output_processor.process(rows, ...)    # text, stop strings, RequestOutputs
@@ -101,8 +101,7 @@ class LLMEngine:
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
                                     cdiv(max_model_len, config.block_size))
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_tokens=num_lookahead_tokens(spec),
@@ -112,7 +111,8 @@ class LLMEngine:
         self.scheduler = self.components.scheduler.Scheduler(
             self.scheduler_config, self.cache_config, components=self.components)
         self.sampler = StepSampler(self.components, self.vocab_size, device, config.seed,
-                                   0 if spec is None else spec.num_speculative_tokens)
+                                   0 if spec is None else spec.num_speculative_tokens,
+                                   config.logits_processors, config.max_num_seqs)
         self.speculator = None if spec is None else Speculator(
             spec, make_proposer(spec, self.components, self.executor), max_model_len)
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None

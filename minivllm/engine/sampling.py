@@ -1,7 +1,9 @@
 """The engine's sampling step: logits in, each request's new tokens out.
 
 Rank 0 alone samples. For the requests that sample this step (in batch
-order; a request verifying ``d`` drafts owns ``1 + d`` logits rows):
+order; a request verifying ``d`` drafts owns ``1 + d`` logits rows), the
+logits processors shape the logits first (``logit_bias``, ``allowed_token_ids``,
+``bad_words``, custom ones: :mod:`.logits_shaping`); then
 
 - without drafts, the ``sampler`` component draws one token per row;
 - with drafts (speculative decoding), the ``rejection_sampler`` component
@@ -10,7 +12,8 @@ order; a request verifying ``d`` drafts owns ``1 + d`` logits rows):
 
 with each request's own generator when it has a seed, and the engine's shared
 one otherwise. :meth:`StepSampler.sample` returns, per request, the tokens it
-emitted and their logprob rows.
+emitted and their logprob rows. Logprobs are of the logits before shaping
+(vLLM's default, ``raw_logprobs``).
 
 **One bad request hurts no one else.** If the batched call raises, each
 request is sampled alone, from the generator state it had before, to find the
@@ -25,6 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minivllm import backend
+from minivllm.engine.logits_shaping import LogitsShaper
+from minivllm.logits_processor import LogitsProcessor, LogitsProcessorConfig
 from minivllm.request import Request
 from minivllm.sampling_metadata import SamplingMetadata
 from minivllm.spec_decode.metadata import SpecDecodeMetadata, SpecStats
@@ -43,10 +48,17 @@ class StepSampler:
         seed: seed of the generator shared by requests without their own seed.
         num_speculative_tokens: ``k`` of speculative decoding (0 without it):
             the length of the per-position acceptance counts.
+        logits_processors: custom processor classes (``LLM(logits_processors=...)``).
+        max_num_seqs: the most requests running at once (the processors are told).
     """
 
     def __init__(self, components: backend.Components, vocab_size: int, device: torch.device,
-                 seed: int = 0, num_speculative_tokens: int = 0) -> None:
+                 seed: int = 0, num_speculative_tokens: int = 0,
+                 logits_processors: tuple[type[LogitsProcessor], ...] = (),
+                 max_num_seqs: int = 256) -> None:
+        self.shaper = LogitsShaper(
+            components.logits_processors, logits_processors,
+            LogitsProcessorConfig(vocab_size, max_num_seqs, num_speculative_tokens), device)
         self.sampler = components.sampler
         self.rejection_sampler = components.rejection_sampler
         self.vocab_size = vocab_size
@@ -78,9 +90,10 @@ class StepSampler:
             self.seeded_generators[request.request_id] = generator
 
     def remove_request(self, request_id: str) -> None:
-        """Forget a finished request's generator and drafts."""
+        """Forget a finished request's generator and drafts; its processors' state."""
         self.seeded_generators.pop(request_id, None)
         self.draft_probs.pop(request_id, None)
+        self.shaper.remove_request(request_id)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -93,8 +106,17 @@ class StepSampler:
         """
         if not reqs:
             return [], [], SpecStats()
+        try:
+            shaped, dead = self.shaper.apply(logits, reqs, drafts)
+        except Exception as e:  # noqa: BLE001 -- a processor failed: the step's requests
+            self.draft_probs = {}
+            return [], [(r, e) for r in reqs], SpecStats()
+        raw = None if shaped is logits else logits  # kept for the logprobs
+        if dead:
+            shaped, raw, reqs, drafts = _drop(shaped, raw, reqs, drafts, dead)
         fn = self._verify if any(drafts) else self._sample_plain
-        rows, failures = _isolate(fn, logits, reqs, drafts, self.seeded_generators)
+        rows, failures = _isolate(fn, shaped, raw, reqs, drafts, self.seeded_generators)
+        failures = dead + failures
         self.draft_probs = {}  # verified (or dropped) this step
         done = {id(r) for r, _ in failures}
         kept = [(r, d) for r, d in zip(reqs, drafts) if id(r) not in done]
@@ -105,28 +127,34 @@ class StepSampler:
         return SamplingMetadata.from_requests(reqs, self.vocab_size, self.device,
                                               self.generator, self.seeded_generators)
 
-    def _sample_plain(self, logits: torch.Tensor, reqs: list[Request],
-                      drafts: list[tuple[int, ...]]) -> list[Row]:
-        """The sampler component, one token per row."""
-        out = self.sampler.sample(logits, self._metadata(reqs))
+    def _sample_plain(self, logits: torch.Tensor, raw: torch.Tensor | None,
+                      reqs: list[Request], drafts: list[tuple[int, ...]]) -> list[Row]:
+        """The sampler component, one token per row (``raw``: the logits before shaping,
+        None if none was done)."""
+        metadata = self._metadata(reqs)
+        out = self.sampler.sample(logits, metadata)
         tokens = out.sampled_token_ids.tolist()
         lp = out.logprobs
         if lp is None:
             return [(r, [t], None) for r, t in zip(reqs, tokens)]
+        if raw is not None:  # the logprobs of the unshaped logits, as vLLM returns them
+            lp = self.sampler.gather_logprobs(torch.log_softmax(raw.to(torch.float32), dim=-1),
+                                              out.sampled_token_ids, metadata.max_num_logprobs)
         rows = zip(lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
                    lp.selected_token_ranks.tolist())
         return [(r, [t], [row]) for r, t, row in zip(reqs, tokens, rows)]
 
-    def _verify(self, logits: torch.Tensor, reqs: list[Request],
+    def _verify(self, logits: torch.Tensor, raw: torch.Tensor | None, reqs: list[Request],
                 drafts: list[tuple[int, ...]]) -> list[Row]:
-        """The rejection sampler component over the batch: emitted tokens and logprob rows."""
+        """The rejection sampler component over the batch: emitted tokens and logprob rows
+        (those from ``raw``, the logits before shaping, when there was some)."""
         metadata = self._metadata(reqs)
         spec = SpecDecodeMetadata.make([list(d) for d in drafts], self.vocab_size,
                                        logits.device)
         out = self.rejection_sampler.rejection_sample(
             logits, spec, self._draft_probs(reqs, drafts), metadata)
         tokens = out.parse_output()
-        logprobs = self._logprobs(logits, drafts, tokens, metadata)
+        logprobs = self._logprobs(logits if raw is None else raw, drafts, tokens, metadata)
         return [(r, t, p) for r, t, p in zip(reqs, tokens, logprobs)]
 
     def _draft_probs(self, reqs: list[Request],
@@ -163,10 +191,26 @@ class StepSampler:
         return out
 
 
-def _isolate(fn: Callable[..., list[Row]], logits: torch.Tensor, reqs: list[Request],
-             drafts: list[tuple[int, ...]], generators: dict[str, torch.Generator]
+def _drop(logits: torch.Tensor, raw: torch.Tensor | None, reqs: list[Request],
+          drafts: list[tuple[int, ...]], dead: list[tuple[Request, Exception]]):
+    """``logits``, ``raw``, ``reqs`` and ``drafts`` without the ``dead`` requests' rows."""
+    gone = {id(r) for r, _ in dead}
+    keep, kept, start = [], [], 0
+    for r, d in zip(reqs, drafts):
+        if id(r) not in gone:
+            keep += range(start, start + len(d) + 1)
+            kept.append((r, d))
+        start += len(d) + 1
+    return (logits[keep], None if raw is None else raw[keep],
+            [r for r, _ in kept], [d for _, d in kept])
+
+
+def _isolate(fn: Callable[..., list[Row]], logits: torch.Tensor, raw: torch.Tensor | None,
+             reqs: list[Request], drafts: list[tuple[int, ...]],
+             generators: dict[str, torch.Generator]
              ) -> tuple[list[Row], list[tuple[Request, Exception]]]:
-    """``fn(logits, reqs, drafts)``; if it raises, each request alone, to find whose failure it is.
+    """``fn(logits, raw, reqs, drafts)``; if it raises, each request alone, to find whose
+    failure it is (``raw``: the logits before shaping, or None).
 
     Each request is retried from the generator state it had before the batched
     call, so the survivors' tokens are the ones they would have drawn anyway
@@ -175,19 +219,19 @@ def _isolate(fn: Callable[..., list[Row]], logits: torch.Tensor, reqs: list[Requ
     seeded = {r.request_id: generators[r.request_id].get_state()
               for r in reqs if r.request_id in generators}
     try:
-        return fn(logits, reqs, drafts), []
+        return fn(logits, raw, reqs, drafts), []
     except Exception:  # noqa: BLE001 -- find whose it is, below
         pass
     rows: list[Row] = []
     failures: list[tuple[Request, Exception]] = []
     start = 0
     for req, d in zip(reqs, drafts):
-        mine = logits[start : start + len(d) + 1]
+        mine = slice(start, start + len(d) + 1)
         start += len(d) + 1
         if req.request_id in seeded:
             generators[req.request_id].set_state(seeded[req.request_id])
         try:
-            rows += fn(mine, [req], [d])
+            rows += fn(logits[mine], None if raw is None else raw[mine], [req], [d])
         except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
             failures.append((req, e))
     return rows, failures

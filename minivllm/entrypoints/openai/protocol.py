@@ -4,7 +4,8 @@ Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 ``n``, ``stop``, ``seed``, ``logprobs``, ``stream_options``...), plus vLLM's
 extra fields, which the ``openai`` client sends through ``extra_body``
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``request_id``, ``structured_outputs``...).
+``stop_token_ids``, ``skip_special_tokens``, ``request_id``, ``structured_outputs``,
+``allowed_token_ids``, ``bad_words``...), and OpenAI's ``logit_bias`` (:func:`logit_bias_ids`).
 ``response_format``, ``structured_outputs`` and chat's ``tools`` become a
 :class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Every vLLM
 field is honoured or refused, never ignored: those minivllm cannot honour are
@@ -35,6 +36,7 @@ from minivllm.entrypoints.openai.errors import (  # noqa: F401 (re-exported)
 )
 from minivllm.entrypoints.openai.fields import known_to_vllm, refusal_message
 from minivllm.entrypoints.openai.limits import ServingLimits
+from minivllm.entrypoints.openai.logit_bias import logit_bias_ids
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -157,6 +159,9 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     return_tokens_as_token_ids: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False
@@ -256,6 +261,9 @@ class _SamplingFields(_Request):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                logit_bias=logit_bias_ids(self.logit_bias),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
             )
         except ValueError as e:
             # SamplingParams names the field first: "top_p must be in (0, 1], got 2.0".
@@ -273,7 +281,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: strings, or lists of token ids."""
@@ -285,7 +292,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def _check_unsupported(self) -> None:
-        for name, default in (("echo", False), ("suffix", None), ("logit_bias", None)):
+        for name, default in (("echo", False), ("suffix", None)):
             if getattr(self, name) != default:
                 raise APIError(400, f"{name} is not supported by minivllm; leave it out", name)
         if self.best_of not in (None, self.n):
@@ -352,16 +359,12 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
     documents: list[dict[str, str]] | None = None  # for templates that read them (RAG)
-    logit_bias: dict[str, float] | None = None
     # Tool calls (minivllm/entrypoints/openai/structured.py).
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
     def _check_unsupported(self) -> None:
-        if self.logit_bias is not None:
-            raise APIError(400, "logit_bias is not supported by minivllm; leave it out",
-                           "logit_bias")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < -1:  # the engine caps it

@@ -61,6 +61,8 @@ from minivllm.entrypoints.openai.structured import (
 from minivllm.entrypoints.openai.tool_parsers import AutoToolCalls, ToolCallOptions
 from minivllm.sampling_params import BeamSearchParams
 
+_PARAM_FIELDS = ("logprobs", "logit_bias", "allowed_token_ids", "bad_words")  # engine errors name them
+
 
 def sse(obj: dict | str) -> str:
     """One Server-Sent Event carrying ``obj`` as JSON (or ``[DONE]``)."""
@@ -98,8 +100,7 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         #: The model's generation-config values for the fields a request leaves out.
         self.default_sampling = dict(llm.engine.generation.sampling)
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1,
-                                                  thread_name_prefix="minivllm-tokenizer")
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenizer")
 
     def close(self) -> None:
         """Stop the tokenizer thread."""
@@ -148,8 +149,7 @@ class OpenAIServing:
         del self.lora_modules[name]
 
     def check_token_ids(self, ids: list[int], field_name: str, max_len: int) -> None:
-        """400 unless ``ids`` is at most ``max_len`` ids, each in the vocabulary
-        (the length first, so an over-long list costs no scan)."""
+        """400 unless ``ids`` is at most ``max_len`` ids (checked first), each in the vocabulary."""
         if len(ids) > max_len:
             raise APIError(400, f"{field_name} has {len(ids)} tokens, more than {max_len}",
                            field_name)
@@ -257,8 +257,8 @@ class OpenAIServing:
                 raise compile_error(constraint, e.reason) from None  # the same for every prompt
             where = f"prompt {e.index}: " if len(prompts) > 1 else ""
             # The group's own checks name n (as beam_width, for a beam search).
-            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else \
-                "logprobs" if e.reason.startswith("logprobs") else "prompt"
+            field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else next(
+                (f for f in _PARAM_FIELDS if e.reason.startswith(f)), "prompt")
             raise APIError(400, where + e.reason, field) from None
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
