@@ -80,6 +80,10 @@ class Request:
             model, a seed of the adapter's own under a LoRA adapter, so that
             KV computed under one adapter is never found for another (vLLM's
             "extra keys").
+        skip_reading_prefix_cache: True when it asked for ``prompt_logprobs``
+            (vLLM's name and rule): every prompt position must be computed to
+            have its logits, so the KV cache manager finds no prefix-cache hit
+            for it (its blocks still enter the cache for others).
     """
 
     def __init__(
@@ -108,6 +112,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
         self.spec_token_ids: list[int] = []
+        self.skip_reading_prefix_cache = \
+            getattr(sampling_params, "prompt_logprobs", None) is not None
         # max_tokens=None means "until max_model_len"; the scheduler fills it in.
         self.max_tokens = sampling_params.max_tokens
 

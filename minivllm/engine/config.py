@@ -187,8 +187,8 @@ class EngineConfig:
     (``"auto"``) or quantized, ``"int8"`` or ``"fp8"`` (= ``"fp8_e4m3"``), with
     a float32 scale per token and KV head: 3.8x the tokens of a float32 cache
     at head_dim 64, 1.9x of a bf16 one (docs/kv_cache.md).
-    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` a request may ask
-    for; -1 lifts the cap (then ``logprobs=-1``, the whole vocabulary, is allowed).
+    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` (or
+    ``prompt_logprobs``) a request may ask for; -1 lifts the cap (then ``logprobs=-1``, the whole vocabulary, is allowed).
     ``generation_config`` (vLLM's): ``"auto"`` takes the model's
     ``generation_config.json`` (its recommended sampling defaults and every EOS id),
     ``"vllm"`` ignores it, a folder reads it from there

@@ -90,12 +90,14 @@ class InputProcessor:
                 f"({max_tokens}) must be at most max_model_len={self.max_model_len}"
             )
         vocab = self.vocab_size
-        asked = sampling_params.logprobs
-        if asked is not None:  # vLLM's rule: -1 is the whole vocabulary, on both sides
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(sampling_params, name)
+            if asked is None:  # vLLM's rule: -1 is the whole vocabulary, on both sides
+                continue
             cap = vocab if self.max_logprobs == -1 else self.max_logprobs
             if (vocab if asked == -1 else asked) > cap:
                 raise ValueError(
-                    f"logprobs={asked} asks for more log-probabilities a token than "
+                    f"{name}={asked} asks for more log-probabilities a token than "
                     f"max_logprobs={self.max_logprobs} allows (the engine argument "
                     f"max_logprobs, --max-logprobs; -1 there lifts the cap)")
         bad = [t for t in prompt_token_ids
@@ -114,8 +116,10 @@ class InputProcessor:
         prompt_token_ids = self.truncate(prompt_token_ids, sampling_params)
         sampling_params.verify()
         sampling_params = self.generation.with_eos(sampling_params, self.eos_token_id)
-        if sampling_params.logprobs == -1:  # the whole vocabulary, as a number from here on
-            sampling_params = dataclasses.replace(sampling_params, logprobs=self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary, as a number
+            if getattr(sampling_params, name) == -1:
+                sampling_params = dataclasses.replace(sampling_params,
+                                                      **{name: self.vocab_size})
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id,

@@ -72,6 +72,7 @@ class _InFlight:
     scheduler_output: SchedulerOutput
     sampling_reqs: tuple[Request, ...]  # the requests it samples, in logits order
     pending: PendingStep
+    prompt_rows: tuple[tuple[str, int, int, int], ...]  # StepInput.prompt_logprob_rows
 
 
 class LLMEngine:
@@ -318,7 +319,8 @@ class LLMEngine:
             outputs += more
         if self.groups:  # the members' outputs become their groups' outputs
             outputs = self.groups.merge_outputs(outputs)
-        stats = self._stats(step, so, outputs, spec_stats)
+        stats = StepStats.of(step, so, outputs, spec_stats, self.scheduler,
+                             self.cache_config.num_blocks)
         return outputs, dataclasses.replace(stats, step_seconds=time.perf_counter() - start,
                                             forward_seconds=self._forward_s)
 
@@ -346,7 +348,8 @@ class LLMEngine:
         if step_input.num_tokens:  # else only block-table changes: nothing to sample
             sampling = tuple(live for live, r in zip(so.scheduled_requests, so.scheduled)
                              if r.samples and r.request_id not in failed)
-            self.in_flight.append(_InFlight(so, sampling, pending))
+            self.in_flight.append(_InFlight(so, sampling, pending,
+                                            step_input.prompt_logprob_rows))
         return outputs
 
     def _block_changes(self, so: SchedulerOutput):
@@ -382,6 +385,10 @@ class LLMEngine:
             raise
         self.in_flight.popleft()
         so, reqs = item.scheduler_output, list(item.sampling_reqs)
+        if item.prompt_rows:  # prompt positions' rows: prompt logprobs, then out of the batch
+            logits = self.output_processor.add_prompt_logprobs(
+                item.prompt_rows, logits, {r.request_id: r for r in so.scheduled_requests},
+                self.components.sampler.gather_logprobs)
         drafts = [so.scheduled_spec_decode_tokens.get(r.request_id, ()) for r in reqs]
         if self.groups:  # siblings sample from child 0's row; beams rank, not sample
             reqs, logits, drafts = self.groups.with_siblings(reqs, logits, drafts)
@@ -422,27 +429,6 @@ class LLMEngine:
                 self.sampler.draft_probs = self.speculator.propose(
                     self.structured.unconstrained(self.scheduler.running), step + 1)
         return outputs, spec_stats
-
-    def _stats(self, step: int, so: SchedulerOutput | None, outputs: list[RequestOutput],
-               spec: SpecStats) -> StepStats:
-        """The step's record: what ``so`` (None: nothing was scheduled) ran."""
-        return StepStats(
-            step=step,
-            num_scheduled_tokens={} if so is None else dict(so.num_scheduled_tokens),
-            decode_req_ids=frozenset() if so is None else so.decode_req_ids,
-            preempted_req_ids=() if so is None else tuple(so.preempted_req_ids),
-            finished_req_ids=tuple(o.request_id for o in outputs if o.finished),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_blocks=self.cache_config.num_blocks,
-            num_free_blocks=self.scheduler.num_free_blocks,
-            num_prefix_cache_queries=0 if so is None else so.num_prefix_cache_queries,
-            num_prefix_cache_hits=0 if so is None else so.num_prefix_cache_hits,
-            num_drafts=spec.num_drafts,
-            num_draft_tokens=spec.num_draft_tokens,
-            num_accepted_tokens=spec.num_accepted_tokens,
-            num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
-        )
 
     def shutdown(self) -> None:
         """Stop every rank the executor runs, if any."""

@@ -77,6 +77,8 @@ class ParallelSampling:
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     error: BaseException | None = None
+    prompt_logprobs: list | None = None  # child 0's, once whole
+    prompt_logprobs_sent: bool = False
 
     def index(self, child_request_id: str) -> int:
         return int(child_request_id.split("_", 1)[0])
@@ -409,6 +411,8 @@ class SequenceGroups:
                     group.done.add(i)
                 if out.error is not None and group.error is None:
                     group.error = out.error
+                if out.prompt_logprobs is not None:  # the prefill's (child 0, or a requeued one)
+                    group.prompt_logprobs = out.prompt_logprobs
             finished = len(group.done) == group.n
             if group.output_kind == RequestOutputKind.DELTA:
                 completions = sorted(fresh, key=lambda c: c.index)
@@ -417,9 +421,14 @@ class SequenceGroups:
             else:
                 completions = [group.completions[i] for i in sorted(group.completions)]
             first = outs[0]
+            prompt_logprobs = group.prompt_logprobs  # a delta stream gets them once
+            if group.output_kind == RequestOutputKind.DELTA and group.prompt_logprobs_sent:
+                prompt_logprobs = None
+            group.prompt_logprobs_sent |= prompt_logprobs is not None
             merged.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, completions,
                                         finished=finished,
                                         num_cached_tokens=first.num_cached_tokens,
+                                        prompt_logprobs=prompt_logprobs,
                                         error=group.error if finished else None,
                                         lora_request=first.lora_request))
             if finished:
