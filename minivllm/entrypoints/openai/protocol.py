@@ -10,7 +10,7 @@ OpenAI's ``response_format``, ``tools`` and ``tool_choice``; they become a
 :class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Unknown fields are accepted and ignored, as
 vLLM does (clients such as LangChain send fields minivllm has no use for); the
 server logs a warning naming them (:meth:`_Request.ignored_fields`). Fields
-that are known but not supported (``logit_bias``, ``echo``, ``suffix``) are a
+that are known but not supported (``logit_bias``, ``suffix``) are a
 400, so nobody believes they took effect. ``NaN`` and ``Infinity`` (which
 Python's JSON parser accepts) are refused in every float field.
 
@@ -23,6 +23,7 @@ checked before anything is tokenized. Ranges are checked once, by
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -192,6 +193,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: int | None = None
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False
@@ -223,8 +225,9 @@ class _SamplingFields(_Request):
         """``use_beam_search``: the fields that mean nothing to a beam search are refused."""
         if max_tokens is None:
             raise APIError(400, "use_beam_search needs max_tokens", "max_tokens")
-        if logprobs is not None:
-            raise APIError(400, "logprobs are not returned with use_beam_search", "logprobs")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None:
+                raise APIError(400, f"{name} are not returned with use_beam_search", name)
         for name in ("stop", "stop_token_ids", "seed"):
             if getattr(self, name):
                 raise APIError(400, f"{name} does not apply with use_beam_search", name)
@@ -263,6 +266,9 @@ class _SamplingFields(_Request):
                            "stream_options")
         if self.length_penalty != 1.0:
             raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
+        if self.prompt_logprobs is not None and self.stream:  # as in vLLM
+            raise APIError(400, "prompt_logprobs are not available with stream=true",
+                           "prompt_logprobs")
         try:
             return SamplingParams(
                 n=self.n,
@@ -280,6 +286,7 @@ class _SamplingFields(_Request):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
@@ -310,7 +317,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def _check_unsupported(self) -> None:
-        for name, default in (("echo", False), ("suffix", None), ("logit_bias", None)):
+        for name, default in (("suffix", None), ("logit_bias", None)):
             if getattr(self, name) != default:
                 raise APIError(400, f"{name} is not supported by minivllm; leave it out", name)
         if self.best_of not in (None, self.n):
@@ -322,7 +329,10 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        params = self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            params = replace(params, prompt_logprobs=self.logprobs)  # they lead the logprobs
+        return params
 
     def to_beam_search_params(self) -> BeamSearchParams:
         self._check_unsupported()

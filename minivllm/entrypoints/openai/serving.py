@@ -47,6 +47,7 @@ from minivllm.engine.async_llm import (
 )
 from minivllm.entrypoints.chat_utils import ChatOptions, ChatTemplates, render_chat
 from minivllm.entrypoints.openai.limits import ServingLimits
+from minivllm.entrypoints.openai.logprobs import openai_logprobs, prompt_logprobs_json
 from minivllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -210,6 +211,8 @@ class OpenAIServing:
         prompts = [p if isinstance(p, list) else await self.encode(p) for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=req.model or self.model_name,
                     top_n=req.logprobs or 0)
+        if req.echo:  # the completion text starts with the prompt's (vLLM's echo)
+            kind.echo = [p if isinstance(p, str) else await self.decode(p) for p in texts]
         return await self._create(req, prompts, kind, lora, request_constraint(req))
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
@@ -245,7 +248,8 @@ class OpenAIServing:
             where = f"prompt {e.index}: " if len(prompts) > 1 else ""
             # The group's own checks name n (as beam_width, for a beam search).
             field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else \
-                "logprobs" if e.reason.startswith("logprobs") else "prompt"
+                e.reason.split("=", 1)[0] if e.reason.startswith(("logprobs", "prompt_logprobs")) \
+                else "prompt"
             raise APIError(400, where + e.reason, field) from None
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
@@ -270,9 +274,13 @@ class OpenAIServing:
         token_ids: list[list[int]] = [[] for _ in streams]
         logprobs: list[list] = [[] for _ in streams]
         last: list[StreamDelta | None] = [None] * len(streams)
+        prompt_lps: list[list | None] = [None] * len(streams)
         try:
             async with contextlib.aclosing(merge(self.llm, streams)) as deltas:
                 async for i, d in deltas:
+                    if last[i] is None:  # the first delta: echo, and the prompt's logprobs
+                        prompt_lps[i] = d.prompt_logprobs
+                        texts[i], token_ids[i], logprobs[i] = kind.echoed(i, d, streams)
                     texts[i] += d.text
                     token_ids[i] += d.token_ids
                     logprobs[i] += d.logprobs or []
@@ -281,9 +289,11 @@ class OpenAIServing:
             raise APIError(500, str(e)) from None
         choices = []
         for i, d in enumerate(last):
-            lp = self._logprobs(kind, logprobs[i], token_ids[i]) \
-                if d.logprobs is not None else None
+            lp = openai_logprobs(self.tokenizer.decode, kind.chat, kind.top_n, logprobs[i],
+                                 token_ids[i]) if d.logprobs is not None else None
             choice = {"index": i, "finish_reason": d.finish_reason, "logprobs": lp}
+            if prompt_lps[i] is not None and not kind.chat:  # vLLM's, on the choice
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[i])
             calls = kind.tools.parse(texts[i]) if kind.tools is not None else None
             if calls is not None:  # the answer is whole: OpenAI's tool calls
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
@@ -295,7 +305,10 @@ class OpenAIServing:
             choice["stop_reason"] = d.stop_reason
             choices.append(choice)
         num_out = sum(d.num_output_tokens for d in last)
-        return kind.envelope(choices, usage(num_prompt_tokens, num_out))
+        response = kind.envelope(choices, usage(num_prompt_tokens, num_out))
+        if kind.chat and prompt_lps[0] is not None:  # vLLM's, on the response
+            response["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[0])
+        return response
 
     async def _stream(self, streams: list[RequestStream], kind: Kind, num_prompt_tokens: int,
                       include_usage: bool, continuous_usage: bool = False,
@@ -304,6 +317,7 @@ class OpenAIServing:
 
         ``continuous_usage``: every delta chunk also carries the usage so far."""
         num_out = [0] * len(streams)
+        echoed = [False] * len(streams)
         chunk = kind.chunk
         calls = None if kind.tools is None else [ToolCallStream(kind.tools) for _ in streams]
         try:
@@ -317,8 +331,14 @@ class OpenAIServing:
                     # back (a possible stop string) or incomplete: a client keeping up
                     # gets one per engine step; one that falls behind, merged deltas.
                     num_out[i] = d.num_output_tokens
-                    lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
-                    body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
+                    text, ids, entries = kind.echoed(i, d, streams) if not echoed[i] \
+                        else ("", [], [])
+                    echoed[i] = True
+                    text, ids, entries = text + d.text, ids + d.token_ids, \
+                        entries + (d.logprobs or [])
+                    lp = openai_logprobs(self.tokenizer.decode, kind.chat, kind.top_n, entries,
+                                         ids) if d.logprobs else None
+                    body = {"delta": {"content": text}} if kind.chat else {"text": text}
                     finish = d.finish_reason
                     if calls is not None:
                         delta, finish = calls[i].delta(d.text, d.finish_reason)
@@ -334,42 +354,6 @@ class OpenAIServing:
         except (EngineDeadError, RequestError) as e:
             yield sse(APIError(500, str(e)).body())
 
-    def _logprobs(self, kind: Kind, entries: list[dict], token_ids: list[int]) -> dict:
-        """Per-token logprobs in the endpoint's OpenAI format.
-
-        Each engine entry holds the sampled token plus the ``top_n`` most
-        likely ones (ranks 1..top_n); the sampled token is listed among the top
-        only if its rank is within them.
-        """
-        decode = self.tokenizer.decode
-        rows = []  # (token text, its logprob, [(top token text, logprob), ...])
-        for tok, entry in zip(token_ids, entries):
-            top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
-                         if lp.rank is not None and lp.rank <= kind.top_n)
-            rows.append((decode([tok]), entry[tok].logprob,
-                         [(decode([t]), v) for _, t, v in top]))
-        if kind.chat:
-            return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
-                                  for s, v in top]}
-                for t, lp, top in rows]}
-        offsets, pos = [], 0
-        for t, _, _ in rows:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-                "top_logprobs": [_by_text(top) for _, _, top in rows], "text_offset": offsets}
-
-
-def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
-    """``{text: logprob}``, most likely first; where two tokens decode to the same
-    text (e.g. two halves of a character, both U+FFFD) the likelier one is kept."""
-    out: dict[str, float] = {}
-    for text, logprob in top:
-        out.setdefault(text, logprob)
-    return out
-
 
 class Kind:
     """What differs between the two endpoints: ids, object names and chunk shape."""
@@ -379,7 +363,17 @@ class Kind:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
         self.tools = tools  # the answer becomes tool calls (chat with tool_choice)
+        self.echo: list[str] | None = None  # completions' echo: each prompt's text
         self.created = int(time.time())
+
+    def echoed(self, i: int, d: StreamDelta, streams: list) -> tuple[str, list[int], list]:
+        """What choice ``i``'s text, token ids and logprob entries start with: with
+        ``echo``, its prompt's (the first entry None: nothing scores the first token)."""
+        if self.echo is None:
+            return "", [], []
+        prompt = self.echo[i * len(self.echo) // len(streams)]  # n choices per prompt
+        ids = list(d.prompt_token_ids)
+        return prompt, ids, list(d.prompt_logprobs or [None] * len(ids))
 
     def envelope(self, choices: list[dict], usage_: dict | None) -> dict:
         return {"id": self.id, "object": self.obj, "created": self.created,
