@@ -91,9 +91,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "structured_outputs and tools; docs/structured_outputs.md); a slower "
                         "one is refused with a 400 (default 10)")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs (top_logprobs) a request may ask for; -1 lifts the "
-                        "cap, and then logprobs=-1 returns the whole vocabulary's (default 20, "
-                        "as vLLM)")
+                   help="the most logprobs (top_logprobs, prompt_logprobs) a request may ask "
+                        "for; -1 lifts the cap, and then -1 returns the whole vocabulary's "
+                        "(default 20, as vLLM)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: first come, first served; priority: by each request's "
+                        "priority (lower first, then arrival), which also picks whom a "
+                        "short KV pool preempts (vLLM's; default fcfs)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="the model's recommended sampling defaults and EOS ids, as vLLM: "
                         "'auto' reads generation_config.json beside the model, 'vllm' ignores "
@@ -150,6 +154,7 @@ def _make_llm(args):
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout_s,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

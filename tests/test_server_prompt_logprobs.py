@@ -1,4 +1,4 @@
-"""``prompt_logprobs`` and ``echo`` over HTTP, with the official ``openai`` client.
+"""``prompt_logprobs``, ``echo`` and ``priority`` over HTTP, with the official ``openai`` client.
 
 vLLM's fields: completions return ``prompt_logprobs`` on each choice, chat on the
 response; each is one entry per prompt token, ``null`` for the first, then
@@ -6,6 +6,8 @@ response; each is one entry per prompt token, ``null`` for the first, then
 completion text with the prompt, and with ``logprobs`` the prompt's tokens lead
 the logprobs (the first one ``null``). The oracle for the prompt's values is
 transformers' forward over the prompt; for the generated part, the offline engine.
+The server runs ``--scheduling-policy priority``, so the ``priority`` field is taken
+(the order it makes is tested offline, in ``test_priority_scheduling.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def tiny(tiny_model_dir, request):
     spec = server_backend(request.config.getoption("--backend"))
     path = str(tiny_model_dir("llama"))
     server = ServerProcess(path, "--backend", spec, "--max-model-len", str(MAX_MODEL_LEN),
-                           "--served-model-name", "tiny", "--max-num-batched-tokens", "8")
+                           "--served-model-name", "tiny", "--max-num-batched-tokens", "8",
+                           "--scheduling-policy", "priority")
     llm = LLM(path, backend=offline_backend(spec), device="cpu", max_model_len=MAX_MODEL_LEN)
     try:
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
@@ -119,3 +122,23 @@ def test_bad_prompt_logprobs_are_400_naming_the_field(tiny, fields, word) -> Non
         c.completions.create(model="tiny", prompt="hi", max_tokens=2, **fields)
     assert word in e.value.message
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_priority_field_is_taken_and_checked(tiny) -> None:
+    """Any int is taken under the priority policy (the text is the offline engine's); a
+    non-int or one outside int64 is a 400 naming ``priority``."""
+    c, llm, _ = tiny
+    want = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    for priority in (-5, 0, 7):
+        out = c.completions.create(model="tiny", prompt="Hello", temperature=0, max_tokens=3,
+                                   extra_body={"ignore_eos": True, "priority": priority})
+        assert out.choices[0].text == want
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                     max_tokens=2, extra_body={"priority": 3})
+    assert chat.choices[0].finish_reason == "length"
+    for bad in (2**63, "high", 1.5):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2,
+                                 extra_body={"priority": bad})
+        assert "priority" in e.value.message

@@ -105,6 +105,17 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), got {bad[:5]}")
 
+    @staticmethod
+    def check_priority(priority: Any, policy: str) -> None:
+        """A request's ``priority``: an int; under the ``fcfs`` policy only 0 (vLLM's rule)."""
+        if not isinstance(priority, int) or isinstance(priority, bool) \
+                or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be an int in [-2**63, 2**63), got {priority!r}")
+        if priority != 0 and policy != "priority":
+            raise ValueError(f"priority must be 0 under scheduling_policy={policy!r}, got "
+                             f"{priority} (priority scheduling needs "
+                             f"scheduling_policy='priority', --scheduling-policy priority)")
+
     def process(self, prompt: str | None, prompt_token_ids: list[int],
                 sampling_params: SamplingParams, request_id: str, lora_request: Any = None,
                 ) -> tuple[Request, RequestState, torch.Generator | None]:

@@ -5,8 +5,8 @@ Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 extra sampling fields, which the ``openai`` client sends through
 ``extra_body``: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``structured_outputs``. Chat also takes
-OpenAI's ``response_format``, ``tools`` and ``tool_choice``; they become a
+``include_stop_str_in_output``, ``structured_outputs``, ``prompt_logprobs``,
+``priority``. Chat also takes OpenAI's ``response_format``, ``tools`` and ``tool_choice``; they become a
 :class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Unknown fields are accepted and ignored, as
 vLLM does (clients such as LangChain send fields minivllm has no use for); the
 server logs a warning naming them (:meth:`_Request.ignored_fields`). Fields
@@ -14,10 +14,9 @@ that are known but not supported (``logit_bias``, ``suffix``) are a
 400, so nobody believes they took effect. ``NaN`` and ``Infinity`` (which
 Python's JSON parser accepts) are refused in every float field.
 
-Sizes are capped by :class:`ServingLimits` (``minivllm serve --max-...``),
-checked before anything is tokenized. Ranges are checked once, by
-:class:`SamplingParams` itself; its ``ValueError`` becomes a 400 through
-:class:`APIError`.
+Sizes are capped by :class:`ServingLimits` (``minivllm serve --max-...``), checked
+before anything is tokenized. Ranges are checked once, by :class:`SamplingParams`
+itself (``priority`` by the engine); its ``ValueError`` becomes a 400 (:class:`APIError`).
 """
 
 from __future__ import annotations
@@ -194,6 +193,7 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsField | None = None
     prompt_logprobs: int | None = None
+    priority: int = 0  # under --scheduling-policy priority: lower is served first
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False

@@ -237,7 +237,7 @@ class OpenAIServing:
                                     f"(a beam search ranks, it samples nothing to constrain)",
                                "use_beam_search")
             params = dataclasses.replace(params, structured_outputs=constraint.params)
-        batch = [(prompt, params, f"{kind.id}-{p_idx}", lora)
+        batch = [(prompt, params, f"{kind.id}-{p_idx}", lora, req.priority)
                  for p_idx, prompt in enumerate(prompts)]
         try:
             # One command for the whole request: its prompts start in the same step.
@@ -247,9 +247,9 @@ class OpenAIServing:
                 raise compile_error(constraint, e.reason) from None  # the same for every prompt
             where = f"prompt {e.index}: " if len(prompts) > 1 else ""
             # The group's own checks name n (as beam_width, for a beam search).
+            first = e.reason.split("=", 1)[0].split(" ", 1)[0]
             field = "n" if e.reason.startswith(("n=", "n ", "beam_width")) else \
-                e.reason.split("=", 1)[0] if e.reason.startswith(("logprobs", "prompt_logprobs")) \
-                else "prompt"
+                first if first in ("logprobs", "prompt_logprobs", "priority") else "prompt"
             raise APIError(400, where + e.reason, field) from None
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
