@@ -166,8 +166,9 @@ class SequenceGroups:
 
     def add_beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams,
                         request_id: str, eos_token_id: int | None, block_size: int,
-                        num_blocks: int) -> Request:
-        """The first beam of a new search (the prompt); return it to schedule."""
+                        num_blocks: int, lora_request: Any = None) -> Request:
+        """The first beam of a new search (the prompt); return it to schedule. Every beam
+        runs under ``lora_request`` (its children inherit it when they branch)."""
         check_group_fits(params.beam_width, len(prompt_token_ids), params.max_tokens, block_size,
                          num_blocks, "beam_width")
         sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True, temperature=0.0,
@@ -175,7 +176,8 @@ class SequenceGroups:
         self.input_processor.validate_prompt(prompt_token_ids, sp)
         search = BeamSearch(request_id, params, sp, list(prompt_token_ids),
                             None if params.ignore_eos else eos_token_id, beams=[])
-        first = Request(f"{request_id}/beam0", prompt_token_ids, sp, eos_token_id)
+        first = Request(f"{request_id}/beam0", prompt_token_ids, sp, eos_token_id,
+                        lora_request=lora_request)
         search.beams.append(_Beam(first, 0.0))
         self.searches[request_id] = search
         self.beams[first.request_id] = search
