@@ -31,7 +31,7 @@ from minivllm.ref import scheduler as _ref
 from minivllm.request import Request, RequestStatus
 from minivllm.request_queue import PriorityWaitingQueue
 
-__all__ = ["HeapWaitingQueue", "Scheduler"]
+__all__ = ["Scheduler"]
 
 
 class HeapWaitingQueue:
