@@ -95,9 +95,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "structured_outputs and tools; docs/structured_outputs.md); a slower "
                         "one is refused with a 400 (default 10)")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs (top_logprobs) a request may ask for; -1 lifts the "
-                        "cap, and then logprobs=-1 returns the whole vocabulary's (default 20, "
-                        "as vLLM)")
+                   help="the most logprobs (top_logprobs, prompt_logprobs) a request may ask "
+                        "for; -1 lifts the cap, and then -1 returns the whole vocabulary's "
+                        "(default 20, as vLLM)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: first come, first served; priority: by each request's "
+                        "priority (lower first, then arrival), which also picks whom a "
+                        "short KV pool preempts (vLLM's; default fcfs)")
     g.add_argument("--logits-processors", nargs="+", default=None, metavar="PKG.MODULE:CLASS",
                    help="custom logits processors (LogitsProcessor subclasses, as vLLM's), "
                         "applied to every step's logits after logit_bias, allowed_token_ids "
@@ -159,6 +163,7 @@ def _make_llm(args):
         structured_outputs_compile_timeout_s=args.structured_outputs_compile_timeout_s,
         generation_config=args.generation_config, max_logprobs=args.max_logprobs,
         logits_processors=args.logits_processors,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

@@ -60,6 +60,10 @@ class CacheConfig:
         _require(self.num_blocks >= 0, "num_blocks", self.num_blocks, ">= 0")
 
 
+#: vLLM's scheduling policies (``--scheduling-policy``).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous-batching limits for one engine step.
@@ -75,6 +79,9 @@ class SchedulerConfig:
             (vLLM's name): a draft-model proposer writes its drafts' K/V there
             after the step. 0 without one (n-gram drafts need no slots until
             they are verified, and then they are scheduled tokens).
+        policy: vLLM's ``scheduling_policy``: ``"fcfs"`` (first come, first served)
+            or ``"priority"`` (waiting requests by ``(priority, arrival_time)``,
+            lower first; the running request with the largest is preempted first).
     """
 
     max_num_seqs: int = 256
@@ -82,8 +89,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _require(self.policy in SCHEDULING_POLICIES, "policy", self.policy,
+                 f"one of {SCHEDULING_POLICIES}")
         _require(0 <= self.num_lookahead_tokens <= 32, "num_lookahead_tokens",
                  self.num_lookahead_tokens, "in [0, 32]")
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")

@@ -156,12 +156,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; return one output per prompt, in order.
 
         ``lora_request``: a :class:`~minivllm.lora.request.LoRARequest` for every
         prompt, or a list with one per prompt (None: the base model); needs
         ``LLM(..., enable_lora=True)`` (docs/lora.md).
+
+        ``priority`` (vLLM's): one int per prompt, lower served first; needs
+        ``LLM(..., scheduling_policy="priority")`` unless every one is 0.
 
         Every prompt is validated before any is queued, so a bad one raises
         ``ValueError`` and leaves the engine as it was.
@@ -200,26 +204,38 @@ class LLM:
         params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                   if sp.output_kind != RequestOutputKind.FINAL_ONLY else sp for sp in params]
         engine = self.llm_engine
-        if isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != len(prompts):
-                raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
-                                 f"({len(prompts)}), got {len(lora_request)}")
-            loras = list(lora_request)
-        else:
-            loras = [lora_request] * len(prompts)
+        loras = self._per_prompt(lora_request, len(prompts))
+        priority = [0] * len(prompts) if priority is None else priority
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list of one int per prompt "
+                             f"({len(prompts)}), got {priority!r}")
+        for p in priority:
+            engine.input_processor.check_priority(p, engine.scheduler_config.policy)
         encoded = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
         self._validate(encoded, params)
         ids = []
         try:
-            for i, ((text, token_ids), sp, lora) in enumerate(zip(encoded, params, loras)):
+            for i, ((text, token_ids), sp, lora, prio) in enumerate(
+                    zip(encoded, params, loras, priority)):
                 try:
-                    ids.append(engine.add_request(text, token_ids, sp, lora_request=lora))
+                    ids.append(engine.add_request(text, token_ids, sp, lora_request=lora,
+                                                  priority=prio))
                 except ValueError as e:
                     raise ValueError(f"prompts[{i}]: {e}") from None
         except Exception:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    @staticmethod
+    def _per_prompt(lora_request: Any, num_prompts: int) -> list:
+        """``lora_request`` as one per prompt (one for all, or a list of one each)."""
+        if not isinstance(lora_request, (list, tuple)):
+            return [lora_request] * num_prompts
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt "
+                             f"({num_prompts}), got {len(lora_request)}")
+        return list(lora_request)
 
     def _validate(self, encoded, params) -> None:
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
@@ -261,8 +277,12 @@ class LLM:
         return outputs
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: Any = None) -> list[BeamSearchOutput]:
         """Beam search each prompt; one :class:`~minivllm.outputs.BeamSearchOutput` per prompt.
+
+        ``lora_request`` (vLLM's): a :class:`~minivllm.lora.request.LoRARequest` for
+        every prompt, or one per prompt; every beam of a prompt runs under its adapter.
 
         The search runs inside the engine: beams of one prompt share their KV
         blocks by fork, copy-on-write on the last one (docs/sharing.md). Each
@@ -276,11 +296,12 @@ class LLM:
             prompts = [prompts]
         engine = self.llm_engine
         encoded = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
+        loras = self._per_prompt(lora_request, len(encoded))
         ids = []
         try:
-            for i, (_, token_ids) in enumerate(encoded):
+            for i, ((_, token_ids), lora) in enumerate(zip(encoded, loras)):
                 try:
-                    ids.append(engine.add_beam_search(token_ids, params))
+                    ids.append(engine.add_beam_search(token_ids, params, lora_request=lora))
                 except ValueError as e:
                     raise ValueError(f"prompts[{i}]: {e}") from None
         except Exception:

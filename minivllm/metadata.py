@@ -47,6 +47,7 @@ class ScheduledRequest:
         new_block_ids: the block ids its block-table row gains this step.
         is_new: admitted this step (new, or resumed after a preemption): the
             worker gives it a new row.
+        wants_prompt_logprobs: it asked for ``prompt_logprobs`` (logits at its prompt positions).
     """
 
     request_id: str
@@ -58,6 +59,7 @@ class ScheduledRequest:
     num_prompt_tokens: int
     new_block_ids: tuple[int, ...]
     is_new: bool
+    wants_prompt_logprobs: bool = False
 
     def check_tokens(self) -> None:
         """Raise ``ValueError`` unless the request had every token it was scheduled for."""
@@ -72,6 +74,13 @@ class ScheduledRequest:
         (a prefill chunk that is not the last one samples nothing)."""
         return (self.num_computed_tokens + self.num_scheduled_tokens
                 - len(self.spec_token_ids)) == self.num_tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """This step's positions whose logits score the next *prompt* token (prompt logprobs)."""
+        start = self.num_computed_tokens
+        end = min(start + self.num_scheduled_tokens, self.num_prompt_tokens - 1)
+        return range(start, end if self.wants_prompt_logprobs else start)
 
     @property
     def is_decode(self) -> bool:
@@ -163,7 +172,8 @@ class SchedulerOutput:
                 token_ids=(*r.all_token_ids[start : start + n - len(drafts)], *drafts),
                 spec_token_ids=drafts, num_tokens=r.num_tokens,
                 num_prompt_tokens=r.num_prompt_tokens,
-                new_block_ids=self.new_block_ids.get(rid, ()), is_new=rid in new))
+                new_block_ids=self.new_block_ids.get(rid, ()), is_new=rid in new,
+                wants_prompt_logprobs=getattr(r, "skip_reading_prefix_cache", False)))
         freeze(self, "scheduled", tuple(snapshots))
 
     @property
@@ -209,8 +219,10 @@ class StepInput:
             are ``seq_len - query_len .. seq_len - 1``).
         input_ids: ``(num_tokens,)`` int64 CPU tensor, the flattened batch.
         positions: ``(num_tokens,)`` int64 CPU tensor.
-        logits_indices: ``(num_sampled,)`` int64 CPU tensor, the rows whose
-            next-token logits are needed.
+        logits_indices: ``(num_logits,)`` int64 CPU tensor, the rows whose
+            next-token logits are needed (per request: prompt-logprob rows, then sampled).
+        prompt_logprob_rows: ``(request_id, first_position, first_row, count)`` per
+            request with prompt-logprob rows (read on rank 0, not sent over the wire).
         lora_ids: per scheduled request, its LoRA adapter's ``lora_int_id`` (0:
             the base model); empty when no request of the step has one. Every
             rank knows each adapter by its id (``Executor.add_lora``).
@@ -231,6 +243,7 @@ class StepInput:
     logits_indices: torch.Tensor
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
     lora_ids: tuple[int, ...] = ()
+    prompt_logprob_rows: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -247,7 +260,8 @@ class StepInput:
         are laid end to end, with no padding, with their positions; the rows
         whose logits are sampled are recorded: a request that samples this
         step has ``1 + d`` of them, its last real token then each of its ``d``
-        drafts (a draft's logits score the token after it).
+        drafts (a draft's logits score the token after it); before them, its
+        :attr:`ScheduledRequest.prompt_logprob_positions`.
 
         ``rows``: scheduled requests whose block-table row is rebuilt whole
         (request id -> all its block ids): a request forked since the last
@@ -259,8 +273,13 @@ class StepInput:
         token_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
+        prompt_rows: list[tuple[str, int, int, int]] = []
         reqs = [r for r in so.scheduled if r.request_id not in failed]
         for r in reqs:
+            span = r.prompt_logprob_positions  # starts at num_computed_tokens
+            if span:
+                prompt_rows.append((r.request_id, span.start, len(logits_indices), len(span)))
+                logits_indices.extend(range(len(token_ids), len(token_ids) + len(span)))
             token_ids.extend(r.token_ids)
             positions.extend(range(r.num_computed_tokens,
                                    r.num_computed_tokens + r.num_scheduled_tokens))
@@ -282,6 +301,7 @@ class StepInput:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),  # (num_sampled,)
             blocks_to_copy=tuple((int(s), int(d)) for s, d in blocks_to_copy),
             lora_ids=_lora_ids(so.scheduled_requests, failed),
+            prompt_logprob_rows=tuple(prompt_rows),
         )
 
 
@@ -327,23 +347,17 @@ class AttentionMetadata:
     max_seq_len: int
 
     @classmethod
-    def build(
-        cls,
-        query_lens: Sequence[int],
-        seq_lens: Sequence[int],
-        block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
-        slot_mapping: torch.Tensor,  # (num_tokens,) int64
-        device: str | torch.device | None = None,
-    ) -> AttentionMetadata:
+    def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int],
+              block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+              slot_mapping: torch.Tensor,  # (num_tokens,) int64
+              device: str | torch.device | None = None) -> AttentionMetadata:
         """Metadata for sequences with these query and context lengths (host ints).
 
         The tensors go to ``device`` (default: ``block_tables``'s device).
         """
         if len(query_lens) != len(seq_lens):
-            raise ValueError(
-                f"query_lens and seq_lens must have one entry per sequence, got "
-                f"{len(query_lens)} and {len(seq_lens)}"
-            )
+            raise ValueError(f"query_lens and seq_lens must have one entry per sequence, "
+                             f"got {len(query_lens)} and {len(seq_lens)}")
         device = block_tables.device if device is None else torch.device(device)
         qsl = (0, *itertools.accumulate(int(n) for n in query_lens))
         lens = tuple(int(n) for n in seq_lens)
@@ -390,9 +404,8 @@ class ModelInput:
         input_ids: ``(num_tokens,)`` int64, the flattened batch.
         positions: ``(num_tokens,)`` int64, each token's position in its sequence.
         attn_metadata: where each token reads and writes the paged KV cache.
-        logits_indices: ``(num_sampled,)`` int64 rows of the hidden states
-            whose next-token logits are needed (the last scheduled token of
-            every request that samples this step).
+        logits_indices: ``(num_logits,)`` int64 rows of the hidden states whose
+            next-token logits are needed (as in :attr:`StepInput.logits_indices`).
         lora: the step's LoRA adapters (a :class:`~minivllm.lora.manager.LoRABatch`:
             each token's slot and the slots' weights), or None when no token of
             the step has one. Only the model's own forward adds them (its

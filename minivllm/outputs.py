@@ -99,7 +99,11 @@ class RequestOutput:
         outputs: one :class:`CompletionOutput` per completion (``n=1``: one).
         finished: True once the request has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
-        prompt_logprobs: always None here (minivllm does not compute them).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per
+            prompt token: None for the first, then ``{token_id: Logprob}`` holding
+            that prompt token and the ``prompt_logprobs`` most likely tokens at its
+            position (vLLM's). Set once the whole prompt is computed (a delta
+            stream gets it once); None otherwise.
         lora_request: the :class:`~minivllm.lora.request.LoRARequest` it ran under
             (None: the base model), as vLLM's ``RequestOutput.lora_request``.
         error: the exception that ended this request, when a failure that
@@ -228,6 +232,30 @@ class StepStats:
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, step: int, so: Any, outputs: list[RequestOutput], spec: Any, scheduler: Any,
+           num_blocks: int) -> StepStats:
+        """The record of engine step ``step``: what ``so`` (a ``SchedulerOutput``; None:
+        nothing was scheduled) ran, the outputs it made, its speculative decoding
+        (``SpecStats``) and the ``scheduler``'s queues and pool after it."""
+        return cls(
+            step=step,
+            num_scheduled_tokens={} if so is None else dict(so.num_scheduled_tokens),
+            decode_req_ids=frozenset() if so is None else so.decode_req_ids,
+            preempted_req_ids=() if so is None else tuple(so.preempted_req_ids),
+            finished_req_ids=tuple(o.request_id for o in outputs if o.finished),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_blocks=num_blocks,
+            num_free_blocks=scheduler.num_free_blocks,
+            num_prefix_cache_queries=0 if so is None else so.num_prefix_cache_queries,
+            num_prefix_cache_hits=0 if so is None else so.num_prefix_cache_hits,
+            num_drafts=spec.num_drafts,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
+        )
 
     @property
     def draft_acceptance_rate(self) -> float | None:

@@ -80,6 +80,12 @@ class Request:
             model, a seed of the adapter's own under a LoRA adapter, so that
             KV computed under one adapter is never found for another (vLLM's
             "extra keys").
+        priority: its priority under the ``priority`` scheduling policy (vLLM's:
+            lower is served first; ties by ``arrival_time``); 0 under ``fcfs``.
+        skip_reading_prefix_cache: True when it asked for ``prompt_logprobs``
+            (vLLM's name and rule): every prompt position must be computed to
+            have its logits, so the KV cache manager finds no prefix-cache hit
+            for it (its blocks still enter the cache for others).
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.lora_request = lora_request
@@ -99,6 +106,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -108,6 +116,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
         self.spec_token_ids: list[int] = []
+        self.skip_reading_prefix_cache = \
+            getattr(sampling_params, "prompt_logprobs", None) is not None
         # max_tokens=None means "until max_model_len"; the scheduler fills it in.
         self.max_tokens = sampling_params.max_tokens
 

@@ -69,6 +69,11 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return for each sampled
             token (the sampled token's own is always included); ``None`` = off;
             -1 = every token's (the engine's ``max_logprobs`` caps it).
+        prompt_logprobs: number of top log-probabilities to return for each
+            prompt token (the prompt token's own is always included), in
+            ``RequestOutput.prompt_logprobs``; ``None`` = off; -1 = every
+            token's (capped by ``max_logprobs`` too). Such a request does not
+            read the prefix cache (as in vLLM): every prompt position is computed.
         truncate_prompt_tokens: keep only the prompt's last ``k`` tokens (vLLM's;
             -1: the last ``max_model_len``); ``None`` = the whole prompt.
         skip_special_tokens: drop special tokens from the output text.
@@ -110,6 +115,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -246,6 +252,9 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < -1:
             raise bad("logprobs", ">= 0, -1 (the whole vocabulary) or None; the engine's "
                                   "max_logprobs caps it")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", ">= 0, -1 (the whole vocabulary) or None; the "
+                                         "engine's max_logprobs caps it")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
@@ -299,8 +308,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
-_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "truncate_prompt_tokens")
-_OPTIONAL_FIELDS = ("max_tokens", "logprobs", "truncate_prompt_tokens")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_OPTIONAL_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "include_stop_str_in_output")
 

@@ -221,3 +221,40 @@ def test_smollm2_with_generated_adapters_matches_peft(smollm2_dir, tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     base = [oracle_tokens(oracle, p, None, 4) for p, n in zip(prompts, names) if n]
     assert base != [w for w, n in zip(want, names) if n], "the adapters change no token"
+
+
+def test_beam_search_under_an_adapter_matches_the_merged_model(lora_adapters, tmp_path):
+    """``LLM.beam_search(..., lora_request=)`` (vLLM's signature): every beam runs under
+    the adapter, so the search equals a plain beam search on a model whose weights have
+    the adapter merged in (PEFT's ``merge_and_unload``); a batch mixing two adapters
+    and the base model gives each prompt its own model's beams."""
+    from conftest import byte_tokenizer
+
+    from minivllm import BeamSearchParams
+
+    base, adapters = lora_adapters("llama")
+    names = ["all_r16", None, "qv_r4"]
+    merged = {}
+    for name in ("all_r16", "qv_r4"):
+        model = peft_model(base, {name: adapters[name]}).merge_and_unload()
+        model.save_pretrained(tmp_path / name, safe_serialization=True)
+        byte_tokenizer().save_pretrained(tmp_path / name)
+        merged[name] = tmp_path / name
+    prompts = random_prompts(3, [5, 8, 3], seed=21)
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    llm = make_llm(base, enable_lora=True, max_loras=1, max_lora_rank=16, block_size=4)
+    got = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params,
+                          lora_request=[None if n is None else lora_request(adapters, n)
+                                        for n in names])
+    engine = llm.llm_engine
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
+    for prompt, name, out in zip(prompts, names, got):
+        oracle = make_llm(base if name is None else merged[name], block_size=4)
+        want = oracle.beam_search([{"prompt_token_ids": prompt}], params)[0]
+        assert [s.tokens for s in out.sequences] == [s.tokens for s in want.sequences]
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx(
+            [s.cum_logprob for s in want.sequences], abs=1e-3)
+    if names[0] is not None:  # the adapter changes the search (the test can fail)
+        base_llm = make_llm(base, block_size=4)
+        plain = base_llm.beam_search([{"prompt_token_ids": prompts[0]}], params)[0]
+        assert [s.tokens for s in plain.sequences] != [s.tokens for s in got[0].sequences]

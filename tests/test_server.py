@@ -252,7 +252,7 @@ BAD = [  # (request fields, status, a word the message must contain)
     (dict(presence_penalty=3), 400, "presence_penalty"),
     (dict(extra_body={"min_tokens": 9}, max_tokens=4), 400, "min_tokens"),
     (dict(extra_body={"top_k": -3}), 400, "top_k"),
-    (dict(echo=True), 400, "echo"),
+    (dict(extra_body={"prompt_logprobs": -2}), 400, "prompt_logprobs"),
     (dict(logit_bias={"1": 200.0}), 400, "logit_bias"),
     (dict(logit_bias={"one": 1.0}), 400, "logit_bias"),
     (dict(logit_bias={"99999": 1.0}), 400, "logit_bias"),

@@ -119,14 +119,13 @@ VLLM_FIELDS: dict[str, Row] = {
     "allowed_token_ids": H(BOTH, f"{SERVER}::test_logit_bias_allowed_token_ids_and_bad_words_match_the_offline_engine"),
     # bad_words: chat's in vLLM's protocol at that commit; minivllm takes it on both.
     "bad_words": H(BOTH, f"{SERVER}::test_logit_bias_allowed_token_ids_and_bad_words_match_the_offline_engine"),
-    # MERGE: the fields below are being implemented by another helper; each keeps its
-    # status on main when this table was written. Update them.
     "tools": H(CHAT, "tests/test_structured_server.py::test_named_tool_call_returns_openai_tool_calls"),
     "tool_choice": H(CHAT, "tests/test_tool_calling_server.py::test_auto_finds_the_models_call"),
     "parallel_tool_calls": H(CHAT, "tests/test_structured_server.py::test_required_tool_calls_name_a_tool_with_valid_arguments"),
-    "prompt_logprobs": P(BOTH),  # MERGE: prompt_logprobs/echo
-    "echo": Row(C, "refused", True),  # MERGE: prompt_logprobs/echo (chat's echo: not yet)
-    "priority": P(BOTH),  # MERGE: priority scheduling
+    "prompt_logprobs": H(BOTH, "tests/test_server_prompt_logprobs.py::test_completions_prompt_logprobs_on_each_choice"),
+    # echo: completions'. Chat's echo (vLLM: repeat the last message) is not implemented.
+    "echo": H(C, "tests/test_server_prompt_logprobs.py::test_echo_leads_with_the_prompt_streamed_or_not"),
+    "priority": H(BOTH, "tests/test_server_prompt_logprobs.py::test_priority_field_is_taken_and_checked"),
 }  # fmt: skip
 
 #: Fields of minivllm's request models that vLLM's have not (OpenAI's ``best_of``:

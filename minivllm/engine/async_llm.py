@@ -176,10 +176,8 @@ class AsyncLLM:
         except InvalidRequestError as e:
             raise ValueError(e.reason) from None
 
-    async def add_requests(
-        self, requests: Sequence[tuple],
-    ) -> list[RequestStream]:
-        """Queue ``(prompt, params, request_id[, lora_request])`` requests as one command.
+    async def add_requests(self, requests: Sequence[tuple]) -> list[RequestStream]:
+        """Queue ``(prompt, params, request_id[, lora_request[, priority]])`` as one command.
 
         ``params``: a :class:`SamplingParams` (``n`` completions: ``n`` streams, in
         order) or a :class:`BeamSearchParams` (``beam_width`` streams, best first).
@@ -201,7 +199,8 @@ class AsyncLLM:
             )
         loop = asyncio.get_running_loop()
         batch, streams, ids = [], [], set()
-        for prompt, params, request_id, *lora in requests:
+        for prompt, params, request_id, *extra in requests:
+            lora, priority = (*extra, *(None, 0)[len(extra):])[:2]
             request_id = f"req-{next(self._ids)}" if request_id is None else request_id
             if request_id in self._engine_ids or request_id in ids:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -213,7 +212,7 @@ class AsyncLLM:
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             size = params.beam_width if isinstance(params, BeamSearchParams) else params.n
             group = [RequestStream(request_id, loop, i, size) for i in range(size)]
-            batch.append((text, ids_, params, group, lora[0] if lora else None))
+            batch.append((text, ids_, params, group, lora, priority))
             streams += group
         await self._compile_constraints(batch)
         self._ensure_thread()
@@ -365,22 +364,20 @@ class AsyncLLM:
     def _add(self, batch) -> BaseException | None:
         """(engine thread) Add every request of ``batch``, or none of them."""
         added: list[str] = []
-        for index, (text, ids, params, group, lora) in enumerate(batch):
+        for index, (text, ids, params, group, lora, priority) in enumerate(batch):
             request_id = group[0].request_id
             try:
                 if isinstance(params, BeamSearchParams):
-                    if lora is not None:
-                        raise ValueError("use_beam_search does not run under a LoRA adapter")
-                    self.engine.add_beam_search(ids, params, request_id)
+                    self.engine.add_beam_search(ids, params, request_id, lora)
                 else:
-                    self.engine.add_request(text, ids, params, request_id, lora_request=lora)
+                    self.engine.add_request(text, ids, params, request_id, lora, priority)
             except Exception as e:  # a refused request: the caller's error
                 self.engine.abort_request(added)
                 if not isinstance(e, ValueError):
                     return e
                 return InvalidRequestError(str(e), index, len(batch))
             added.append(request_id)
-        for *_, group, _ in batch:
+        for _, _, _, group, *_ in batch:
             self._routes[group[0].request_id] = group
         return None
 

@@ -67,6 +67,9 @@ class StreamDelta:
         stop_reason: the stop string or token id that ended it, if any.
         num_prompt_tokens: the prompt's length in tokens.
         num_output_tokens: tokens generated so far, this delta's included.
+        prompt_token_ids: the prompt (what ``echo`` repeats).
+        prompt_logprobs: the prompt's logprob entries (``RequestOutput.prompt_logprobs``),
+            on the delta that first carries them; None otherwise.
     """
 
     request_id: str
@@ -78,6 +81,8 @@ class StreamDelta:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -150,7 +155,8 @@ class RequestStream:
         self.finished = finished
         return StreamDelta(out.request_id, comp.text, list(comp.token_ids), comp.logprobs,
                            finished, comp.finish_reason, comp.stop_reason,
-                           len(out.prompt_token_ids), self.num_tokens_sent)
+                           len(out.prompt_token_ids), self.num_tokens_sent,
+                           out.prompt_token_ids, out.prompt_logprobs)
 
     def put(self, item: StreamDelta | BaseException) -> None:
         """(its event loop) Add a delta, appended to any unread one, or an error."""
@@ -165,6 +171,8 @@ class RequestStream:
                 item.finish_reason
             self._pending.stop_reason = item.stop_reason
             self._pending.num_output_tokens = item.num_output_tokens
+            if self._pending.prompt_logprobs is None:
+                self._pending.prompt_logprobs = item.prompt_logprobs
         else:
             self._pending = item
             self._pending_text = [item.text] if isinstance(item, StreamDelta) else []

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from minivllm import backend
-from minivllm.config import _require, cdiv, check_block_size, check_chunked_prefill
+from minivllm.config import (
+    SCHEDULING_POLICIES,
+    _require,
+    cdiv,
+    check_block_size,
+    check_chunked_prefill,
+)
 from minivllm.dtype import DTYPES
 from minivllm.kv_quant import check_kv_cache_dtype
 from minivllm.logits_processor import load_logits_processor
@@ -188,8 +194,11 @@ class EngineConfig:
     (``"auto"``) or quantized, ``"int8"`` or ``"fp8"`` (= ``"fp8_e4m3"``), with
     a float32 scale per token and KV head: 3.8x the tokens of a float32 cache
     at head_dim 64, 1.9x of a bf16 one (docs/kv_cache.md).
-    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` a request may ask
-    for; -1 lifts the cap (then ``logprobs=-1``, the whole vocabulary, is allowed).
+    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` (or
+    ``prompt_logprobs``) a request may ask for; -1 lifts the cap (then -1, the
+    whole vocabulary, is allowed).
+    ``scheduling_policy`` (vLLM's): ``"fcfs"`` or ``"priority"`` (requests' own
+    ``priority``, lower first; see :mod:`minivllm.ref.scheduler`).
     ``generation_config`` (vLLM's): ``"auto"`` takes the model's
     ``generation_config.json`` (its recommended sampling defaults and every EOS id),
     ``"vllm"`` ignores it, a folder reads it from there
@@ -240,6 +249,7 @@ class EngineConfig:
     generation_config: str = "auto"
     max_logprobs: int = 20
     logits_processors: tuple | list | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         """Check every field before anything is loaded (one rule each); read the environment."""
@@ -267,6 +277,8 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         check_executor_backend(self.distributed_executor_backend)
+        _require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+                 self.scheduling_policy, f"one of {SCHEDULING_POLICIES}")
         if self.pp_layer_partition is None:
             self.pp_layer_partition = os.environ.get("MINIVLLM_PP_LAYER_PARTITION") or None
         # Its fit to the model is checked once the model's layer count is known.

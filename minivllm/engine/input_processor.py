@@ -93,12 +93,14 @@ class InputProcessor:
                 f"({max_tokens}) must be at most max_model_len={self.max_model_len}"
             )
         vocab = self.vocab_size
-        asked = sampling_params.logprobs
-        if asked is not None:  # vLLM's rule: -1 is the whole vocabulary, on both sides
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(sampling_params, name)
+            if asked is None:  # vLLM's rule: -1 is the whole vocabulary, on both sides
+                continue
             cap = vocab if self.max_logprobs == -1 else self.max_logprobs
             if (vocab if asked == -1 else asked) > cap:
                 raise ValueError(
-                    f"logprobs={asked} asks for more log-probabilities a token than "
+                    f"{name}={asked} asks for more log-probabilities a token than "
                     f"max_logprobs={self.max_logprobs} allows (the engine argument "
                     f"max_logprobs, --max-logprobs; -1 there lifts the cap)")
         bad = [t for t in prompt_token_ids
@@ -112,6 +114,17 @@ class InputProcessor:
                 raise ValueError(f"{name} must hold token ids in [0, {vocab}) (the model's "
                                  f"vocabulary), got {sorted(bad)[:5]}")
 
+    @staticmethod
+    def check_priority(priority: Any, policy: str) -> None:
+        """A request's ``priority``: an int; under the ``fcfs`` policy only 0 (vLLM's rule)."""
+        if not isinstance(priority, int) or isinstance(priority, bool) \
+                or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be an int in [-2**63, 2**63), got {priority!r}")
+        if priority != 0 and policy != "priority":
+            raise ValueError(f"priority must be 0 under scheduling_policy={policy!r}, got "
+                             f"{priority} (priority scheduling needs "
+                             f"scheduling_policy='priority', --scheduling-policy priority)")
+
     def process(self, prompt: str | None, prompt_token_ids: list[int],
                 sampling_params: SamplingParams, request_id: str, lora_request: Any = None,
                 ) -> tuple[Request, RequestState, torch.Generator | None]:
@@ -123,8 +136,10 @@ class InputProcessor:
         prompt_token_ids = self.truncate(prompt_token_ids, sampling_params)
         sampling_params.verify()
         sampling_params = self.generation.with_eos(sampling_params, self.eos_token_id)
-        if sampling_params.logprobs == -1:  # the whole vocabulary, as a number from here on
-            sampling_params = dataclasses.replace(sampling_params, logprobs=self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary, as a number
+            if getattr(sampling_params, name) == -1:
+                sampling_params = dataclasses.replace(sampling_params,
+                                                      **{name: self.vocab_size})
         if sampling_params.bad_words:  # on a copy: the caller's params stay as they were
             sampling_params = dataclasses.replace(sampling_params)
             sampling_params._bad_words_token_ids = bad_words_token_ids(

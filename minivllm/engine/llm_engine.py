@@ -72,6 +72,7 @@ class _InFlight:
     scheduler_output: SchedulerOutput
     sampling_reqs: tuple[Request, ...]  # the requests it samples, in logits order
     pending: PendingStep
+    prompt_rows: tuple[tuple[str, int, int, int], ...]  # StepInput.prompt_logprob_rows
 
 
 class LLMEngine:
@@ -105,6 +106,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_tokens=num_lookahead_tokens(spec),
+            policy=config.scheduling_policy,
         )
         self.cache_config = CacheConfig(config.block_size, num_blocks,
                                         config.enable_prefix_caching)
@@ -156,8 +158,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, request_id: str | None = None,
-                    lora_request: Any = None) -> str:
+                    lora_request: Any = None, priority: int = 0) -> str:
         """Validate, build and queue one request; return its id. Atomic.
+
+        ``priority`` (vLLM's): under ``scheduling_policy="priority"``, lower is
+        served first; under ``"fcfs"`` it must be 0 (a ``ValueError`` otherwise).
 
         Everything is checked and built first (:mod:`.input_processor`); the
         scheduler's ``add_request`` is the last check (a request that can never
@@ -166,11 +171,13 @@ class LLMEngine:
         """
         request_id = self._new_id(request_id)
         self.lora.check(lora_request)  # a bad adapter: ValueError, for this request alone
+        self.input_processor.check_priority(priority, self.scheduler_config.policy)
         if sampling_params.n > 1:
             return self._add_parallel(prompt, prompt_token_ids, sampling_params, request_id,
-                                      lora_request)
+                                      lora_request, priority)
         request, state, generator = self.input_processor.process(
             prompt, prompt_token_ids, sampling_params, request_id, lora_request)
+        request.priority = priority  # before it is queued: a priority queue orders by it
         grammar = self.structured.compile(sampling_params)  # ValueError naming the field
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         # Nothing below can fail: the request is now in the engine, whole.
@@ -192,19 +199,24 @@ class LLMEngine:
         if not hasattr(self.scheduler, "fork_request"):
             raise ValueError(f"{field_name} > 1 needs a scheduler with fork_request(); "
                              f"{type(self.scheduler).__module__} has none")
+        if field_name == "beam_width" and self.scheduler_config.policy == "priority":
+            raise ValueError("beam search needs scheduling_policy='fcfs': its beams requeue "
+                             "as one unit, in an order a priority queue would not keep")
         if field_name == "beam_width" and size > self.config.max_num_seqs:
             raise ValueError(f"{field_name}={size} must be <= max_num_seqs="
                              f"{self.config.max_num_seqs}: a group runs as one unit")
 
     def _add_parallel(self, prompt: str | None, prompt_token_ids: list[int],
                       sampling_params: SamplingParams, request_id: str,
-                      lora_request: Any) -> str:
+                      lora_request: Any, priority: int = 0) -> str:
         """Parallel sampling: ``n`` children, child 0 queued (see :mod:`.sequence_groups`)."""
         self._check_group(sampling_params.n, "n")
         grammar = self.structured.compile(sampling_params)  # ValueError naming the field
         first = self.groups.add_parallel(
             prompt, prompt_token_ids, sampling_params, request_id, self.config.block_size,
             self.cache_config.num_blocks, self.scheduler_config.max_model_len, lora_request)
+        for child in self.groups.parallel[first.request_id].children:
+            child.priority = priority
         try:
             self.scheduler.add_request(first)
         except BaseException:
@@ -219,17 +231,19 @@ class LLMEngine:
         return request_id
 
     def add_beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams,
-                        request_id: str | None = None) -> str:
+                        request_id: str | None = None, lora_request: Any = None) -> str:
         """Queue one prompt's beam search; its one output comes when it is over.
 
         The output (a :class:`~minivllm.outputs.RequestOutput`) has one
         completion per finished sequence, best first, whose
-        ``cumulative_logprob`` is the length-penalised beam score.
+        ``cumulative_logprob`` is the length-penalised beam score. Every beam runs
+        under ``lora_request`` (None: the base model).
         """
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         request_id = self._new_id(request_id)
         self._check_group(params.beam_width, "beam_width")
+        self.lora.check(lora_request)
         if self.speculator is not None:
             raise ValueError("beam search does not run with speculative_config: "
                              "a beam ranks its candidates, it samples no drafts")
@@ -238,12 +252,13 @@ class LLMEngine:
                              "rank together, one step at a time")
         first = self.groups.add_beam_search(
             prompt_token_ids, params, request_id, self.eos_token_id, self.config.block_size,
-            self.cache_config.num_blocks)
+            self.cache_config.num_blocks, lora_request)
         try:
             self.scheduler.add_request(first)
         except BaseException:
             self.groups.forget(request_id)
             raise
+        self.lora.hold_if_needed(first, self.scheduler)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -318,7 +333,8 @@ class LLMEngine:
             outputs += more
         if self.groups:  # the members' outputs become their groups' outputs
             outputs = self.groups.merge_outputs(outputs)
-        stats = self._stats(step, so, outputs, spec_stats)
+        stats = StepStats.of(step, so, outputs, spec_stats, self.scheduler,
+                             self.cache_config.num_blocks)
         return outputs, dataclasses.replace(stats, step_seconds=time.perf_counter() - start,
                                             forward_seconds=self._forward_s)
 
@@ -346,7 +362,8 @@ class LLMEngine:
         if step_input.num_tokens:  # else only block-table changes: nothing to sample
             sampling = tuple(live for live, r in zip(so.scheduled_requests, so.scheduled)
                              if r.samples and r.request_id not in failed)
-            self.in_flight.append(_InFlight(so, sampling, pending))
+            self.in_flight.append(_InFlight(so, sampling, pending,
+                                            step_input.prompt_logprob_rows))
         return outputs
 
     def _block_changes(self, so: SchedulerOutput):
@@ -382,6 +399,10 @@ class LLMEngine:
             raise
         self.in_flight.popleft()
         so, reqs = item.scheduler_output, list(item.sampling_reqs)
+        if item.prompt_rows:  # prompt positions' rows: prompt logprobs, then out of the batch
+            logits = self.output_processor.add_prompt_logprobs(
+                item.prompt_rows, logits, {r.request_id: r for r in so.scheduled_requests},
+                self.components.sampler.gather_logprobs)
         drafts = [so.scheduled_spec_decode_tokens.get(r.request_id, ()) for r in reqs]
         if self.groups:  # siblings sample from child 0's row; beams rank, not sample
             reqs, logits, drafts = self.groups.with_siblings(reqs, logits, drafts)
@@ -422,27 +443,6 @@ class LLMEngine:
                 self.sampler.draft_probs = self.speculator.propose(
                     self.structured.unconstrained(self.scheduler.running), step + 1)
         return outputs, spec_stats
-
-    def _stats(self, step: int, so: SchedulerOutput | None, outputs: list[RequestOutput],
-               spec: SpecStats) -> StepStats:
-        """The step's record: what ``so`` (None: nothing was scheduled) ran."""
-        return StepStats(
-            step=step,
-            num_scheduled_tokens={} if so is None else dict(so.num_scheduled_tokens),
-            decode_req_ids=frozenset() if so is None else so.decode_req_ids,
-            preempted_req_ids=() if so is None else tuple(so.preempted_req_ids),
-            finished_req_ids=tuple(o.request_id for o in outputs if o.finished),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_blocks=self.cache_config.num_blocks,
-            num_free_blocks=self.scheduler.num_free_blocks,
-            num_prefix_cache_queries=0 if so is None else so.num_prefix_cache_queries,
-            num_prefix_cache_hits=0 if so is None else so.num_prefix_cache_hits,
-            num_drafts=spec.num_drafts,
-            num_draft_tokens=spec.num_draft_tokens,
-            num_accepted_tokens=spec.num_accepted_tokens,
-            num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
-        )
 
     def shutdown(self) -> None:
         """Stop every rank the executor runs, if any."""

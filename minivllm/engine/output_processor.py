@@ -8,7 +8,8 @@ request; this turns them into what the user sees, in the request's
   and watches for stop strings, holding back text that may be the start of
   one;
 - logprob rows become ``{token_id: Logprob}`` dicts, and the cumulative
-  logprob is summed;
+  logprob is summed; the rows of a request's prompt positions become its
+  ``prompt_logprobs`` (:meth:`OutputProcessor.add_prompt_logprobs`);
 - a stop string inside a run of several new tokens (speculative decoding)
   ends the request at the token plain decoding would have ended it at: the
   tokens after it are taken back off the request.
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+import torch
 
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.request import Request, RequestStatus
@@ -210,6 +213,12 @@ class RequestState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if want_logprobs else None
         self.cumulative_logprob = 0.0 if want_logprobs else None
         self.num_sent_tokens = 0  # output tokens already handed out (DELTA)
+        # Per prompt token, its logprob dict (the first token has none: None).
+        want_prompt = getattr(sampling_params, "prompt_logprobs", None) is not None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] if want_prompt else None
+        self.prompt_logprobs_sent = False  # DELTA: they go out once, whole
+        self.error: Exception | None = None  # a failure found outside _advance
 
 
 class OutputProcessor:
@@ -255,9 +264,11 @@ class OutputProcessor:
         the request at the token plain decoding would have ended it at: the
         tokens after it are taken back off the request.
         """
+        if state.error is not None:  # its prompt logprobs failed: it ends here
+            raise state.error
         for i, token in enumerate(tokens):
             if state.logprobs is not None and lp_rows is not None:
-                logprobs = self._logprob_dict(req, *lp_rows[i])
+                logprobs = self._logprob_dict(req.sampling_params.logprobs, *lp_rows[i])
                 state.logprobs.append(logprobs)
                 state.cumulative_logprob += logprobs[token].logprob
             stop_str = state.detokenizer.update([token])
@@ -305,11 +316,55 @@ class OutputProcessor:
             lora_request=req.lora_request,
         )
 
-    def _logprob_dict(self, req: Request, ids: list[int], vals: list[float],
+    def add_prompt_logprobs(self, rows: tuple[tuple[str, int, int, int], ...],
+                            logits: torch.Tensor, requests: dict[str, Request],
+                            gather_logprobs: Any) -> torch.Tensor:
+        """Turn a step's prompt-position rows into prompt logprobs; return the other rows.
+
+        ``rows``: ``StepInput.prompt_logprob_rows``; ``logits``: the step's
+        ``(num_logits, vocab)`` logits; ``gather_logprobs``: the sampler
+        component's. Row ``i`` of a request's run scores prompt token
+        ``first_position + i + 1``, so a chunk's rows continue the last chunk's.
+        Rows a request already has (it was preempted and recomputes) are
+        skipped; a gap (positions read from the prefix cache) fails it alone.
+        """
+        keep = torch.ones(logits.shape[0], dtype=torch.bool)
+        for rid, first_position, first_row, count in rows:
+            keep[first_row : first_row + count] = False
+            state, req = self.states.get(rid), requests.get(rid)
+            if state is None or req is None or state.prompt_logprobs is None:
+                continue
+            try:
+                self._prompt_logprobs(req, state, first_position,
+                                      logits[first_row : first_row + count], gather_logprobs)
+            except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
+                state.error = e
+        return logits[keep.to(logits.device)]
+
+    def _prompt_logprobs(self, req: Request, state: RequestState, first_position: int,
+                         logits: torch.Tensor, gather_logprobs: Any) -> None:
+        have = len(state.prompt_logprobs)  # entries of prompt tokens 0 .. have - 1
+        if first_position + 1 > have:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt_logprobs need the logits of every prompt "
+                f"position, but positions {have - 1}..{first_position - 1} were not computed "
+                f"(read from the prefix cache despite skip_reading_prefix_cache)")
+        logits = logits[have - 1 - first_position :]  # (new, vocab): rows not yet taken
+        if not len(logits):
+            return
+        targets = req.prompt_token_ids[have : have + len(logits)]
+        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)  # the raw distribution
+        k = req.sampling_params.prompt_logprobs
+        lp = gather_logprobs(raw, torch.tensor(targets, device=raw.device), k)
+        for row in zip(lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
+                       lp.selected_token_ranks.tolist()):
+            state.prompt_logprobs.append(self._logprob_dict(k, *row))
+
+    def _logprob_dict(self, n: int | None, ids: list[int], vals: list[float],
                       rank: int) -> dict[int, Logprob]:
-        """``{token_id: Logprob}`` for one row: the sampled token, then the top-n."""
+        """``{token_id: Logprob}`` for one row: the chosen token, then the top-``n``."""
         decode = self.tokenizer.convert_ids_to_tokens
-        n = req.sampling_params.logprobs or 0
+        n = n or 0
         ids, vals = ids[: n + 1], vals[: n + 1]
         d = {ids[0]: Logprob(vals[0], rank=rank, decoded_token=decode(ids[0]))}
         for k in range(1, n + 1):
@@ -330,6 +385,11 @@ class OutputProcessor:
             first = 0
             text = state.detokenizer.output_text
         state.num_sent_tokens = req.num_output_tokens
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is not None and (len(prompt_logprobs) < req.num_prompt_tokens or (
+                kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent)):
+            prompt_logprobs = None  # not whole yet, or a delta stream has had them
+        state.prompt_logprobs_sent |= prompt_logprobs is not None
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -346,5 +406,6 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs,
             lora_request=req.lora_request,
         )

@@ -77,6 +77,8 @@ class ParallelSampling:
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     error: BaseException | None = None
+    prompt_logprobs: list | None = None  # child 0's, once whole
+    prompt_logprobs_sent: bool = False
 
     def index(self, child_request_id: str) -> int:
         return int(child_request_id.split("_", 1)[0])
@@ -164,8 +166,9 @@ class SequenceGroups:
 
     def add_beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams,
                         request_id: str, eos_token_id: int | None, block_size: int,
-                        num_blocks: int) -> Request:
-        """The first beam of a new search (the prompt); return it to schedule."""
+                        num_blocks: int, lora_request: Any = None) -> Request:
+        """The first beam of a new search (the prompt); return it to schedule. Every beam
+        runs under ``lora_request`` (its children inherit it when they branch)."""
         check_group_fits(params.beam_width, len(prompt_token_ids), params.max_tokens, block_size,
                          num_blocks, "beam_width")
         sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True, temperature=0.0,
@@ -173,7 +176,8 @@ class SequenceGroups:
         self.input_processor.validate_prompt(prompt_token_ids, sp)
         search = BeamSearch(request_id, params, sp, list(prompt_token_ids),
                             None if params.ignore_eos else eos_token_id, beams=[])
-        first = Request(f"{request_id}/beam0", prompt_token_ids, sp, eos_token_id)
+        first = Request(f"{request_id}/beam0", prompt_token_ids, sp, eos_token_id,
+                        lora_request=lora_request)
         search.beams.append(_Beam(first, 0.0))
         self.searches[request_id] = search
         self.beams[first.request_id] = search
@@ -409,6 +413,8 @@ class SequenceGroups:
                     group.done.add(i)
                 if out.error is not None and group.error is None:
                     group.error = out.error
+                if out.prompt_logprobs is not None:  # the prefill's (child 0, or a requeued one)
+                    group.prompt_logprobs = out.prompt_logprobs
             finished = len(group.done) == group.n
             if group.output_kind == RequestOutputKind.DELTA:
                 completions = sorted(fresh, key=lambda c: c.index)
@@ -417,9 +423,14 @@ class SequenceGroups:
             else:
                 completions = [group.completions[i] for i in sorted(group.completions)]
             first = outs[0]
+            prompt_logprobs = group.prompt_logprobs  # a delta stream gets them once
+            if group.output_kind == RequestOutputKind.DELTA and group.prompt_logprobs_sent:
+                prompt_logprobs = None
+            group.prompt_logprobs_sent |= prompt_logprobs is not None
             merged.append(RequestOutput(rid, first.prompt, first.prompt_token_ids, completions,
                                         finished=finished,
                                         num_cached_tokens=first.num_cached_tokens,
+                                        prompt_logprobs=prompt_logprobs,
                                         error=group.error if finished else None,
                                         lora_request=first.lora_request))
             if finished:

@@ -87,8 +87,11 @@ class KVCacheManager:
         """Prefix-cache hit for a request being admitted: (block ids, computed tokens).
 
         Does not take the blocks yet; :meth:`allocate_slots` does, if the
-        request is admitted.
+        request is admitted. A request with ``skip_reading_prefix_cache`` (it
+        wants prompt logprobs: logits at every prompt position) gets no hit.
         """
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return [], 0
         # BEGIN SOLUTION
         if not self.enable_prefix_caching:
             return [], 0

@@ -21,6 +21,18 @@ decoding. One step (:meth:`Scheduler.schedule`):
    left is split (**chunked prefill**); the first request that does not fit
    stops admission (no skipping ahead, so nobody starves).
 
+**Scheduling policy** (``SchedulerConfig.policy``, vLLM's ``--scheduling-policy``).
+Under ``"fcfs"`` (the default) ``waiting`` is a deque and the victim of a
+preemption is the tail of ``running``, as above. Under ``"priority"`` ``waiting``
+is a :class:`~minivllm.request_queue.PriorityWaitingQueue`, which keeps requests ordered by
+``(priority, arrival_time)`` (lower first): where the deque would put a request
+at its front or its back, it puts it in its place, so :meth:`Scheduler.schedule`
+reads the same. The victim is then the running request with the largest
+``(priority, arrival_time)`` (:meth:`Scheduler._priority_victim`); if it was
+scheduled earlier in this step, that is undone (its tokens go back to the
+budget). As in vLLM v1, a waiting request never preempts a running one: priority
+orders admission, and decides who gives way when the pool runs short.
+
 After the forward pass, :meth:`Scheduler.update_from_output` advances
 ``num_computed_tokens``, appends sampled tokens, applies stop rules and frees
 finished requests' blocks (their full blocks stay in the prefix cache).
@@ -55,12 +67,16 @@ from minivllm import backend
 from minivllm.config import CacheConfig, SchedulerConfig, cdiv
 from minivllm.metadata import SchedulerOutput
 from minivllm.request import Request, RequestStatus, check_stop
+from minivllm.request_queue import PriorityWaitingQueue
 from minivllm.scheduler_groups import GroupScheduling
 
 __all__ = ["Scheduler"]
 
 
 class Scheduler(GroupScheduling):
+    #: The ``priority`` policy's waiting queue (the fast twin's is a heap).
+    priority_queue_cls = PriorityWaitingQueue
+
     """Continuous batching with chunked prefill, prefix caching and preemption.
 
     Args:
@@ -99,7 +115,9 @@ class Scheduler(GroupScheduling):
             kv_cache_manager_cls = components.kv_cache_manager.KVCacheManager
         self.kv_cache_manager = kv_cache_manager_cls(self.block_allocator)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
+        # fcfs: a deque; priority: ordered by (priority, arrival_time) (see the module docstring)
+        self.waiting: deque[Request] = deque() if scheduler_config.policy == "fcfs" \
+            else self.priority_queue_cls()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.finished_req_ids: list[str] = []  # finished since the last schedule()
 
@@ -218,6 +236,14 @@ class Scheduler(GroupScheduling):
                 # the request itself).
                 victim = next(r for r in reversed(self.running)
                               if r.request_id not in in_flight)
+                if self.scheduler_config.policy == "priority":
+                    victim = self._priority_victim(in_flight)
+                    if victim in scheduled_running:  # scheduled earlier this step: undo
+                        scheduled_running.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        new_block_ids.pop(victim.request_id)
+                        scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                        req_index -= 1
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted_req_ids.append(victim.request_id)
@@ -286,6 +312,15 @@ class Scheduler(GroupScheduling):
         self.finished_req_ids = []
         return output
         # END SOLUTION
+
+    def _priority_victim(self, in_flight: Collection[str]) -> Request:
+        """Under the ``priority`` policy, the running request to preempt when the pool is
+        short: the one with the largest ``(priority, arrival_time)`` (vLLM's rule; on a
+        tie, the earliest in ``running``), never one in flight. It may have been
+        scheduled earlier in this step (the caller then takes that back).
+        """
+        return max((r for r in self.running if r.request_id not in in_flight),
+                   key=PriorityWaitingQueue.key)
 
     def _preempt(self, request: Request) -> None:
         """Free ``request``'s blocks and send it to the front of the queue to recompute.

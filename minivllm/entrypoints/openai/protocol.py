@@ -5,7 +5,8 @@ Field names and defaults are OpenAI's (``max_tokens``, ``temperature``,
 extra fields, which the ``openai`` client sends through ``extra_body``
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``request_id``, ``structured_outputs``,
-``allowed_token_ids``, ``bad_words``...), and OpenAI's ``logit_bias`` (:func:`logit_bias_ids`).
+``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``, ``priority``...), and
+OpenAI's ``logit_bias`` (:func:`logit_bias_ids`).
 ``response_format``, ``structured_outputs`` and chat's ``tools`` become a
 :class:`~minivllm.StructuredOutputsParams` in :mod:`.structured`. Every vLLM
 field is honoured or refused, never ignored: those minivllm cannot honour are
@@ -15,15 +16,15 @@ Fields vLLM does not know either are accepted and ignored, as vLLM does
 warning naming them (:meth:`_Request.ignored_fields`). ``NaN`` and
 ``Infinity`` (which Python's JSON parser accepts) are refused in every float field.
 
-Sizes are capped by :class:`ServingLimits` (``minivllm serve --max-...``),
-checked before anything is tokenized. Ranges are checked once, by
-:class:`SamplingParams` itself; its ``ValueError`` becomes a 400 through
-:class:`APIError`.
+Sizes are capped by :class:`ServingLimits` (``minivllm serve --max-...``), checked
+before anything is tokenized. Ranges are checked once, by :class:`SamplingParams`
+itself (``priority`` by the engine); its ``ValueError`` becomes a 400 (:class:`APIError`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -162,6 +163,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0  # under --scheduling-policy priority: lower is served first
 
     # vLLM's beam-search extras (completions and chat): n is the beam width.
     use_beam_search: bool = False
@@ -200,8 +203,9 @@ class _SamplingFields(_Request):
         """``use_beam_search``: the fields that mean nothing to a beam search are refused."""
         if max_tokens is None:
             raise APIError(400, "use_beam_search needs max_tokens", "max_tokens")
-        if logprobs is not None:
-            raise APIError(400, "logprobs are not returned with use_beam_search", "logprobs")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None:
+                raise APIError(400, f"{name} are not returned with use_beam_search", name)
         for name in ("stop", "stop_token_ids", "seed"):
             if getattr(self, name):
                 raise APIError(400, f"{name} does not apply with use_beam_search", name)
@@ -240,6 +244,9 @@ class _SamplingFields(_Request):
                            "stream_options")
         if self.length_penalty != 1.0:
             raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
+        if self.prompt_logprobs is not None and self.stream:  # as in vLLM
+            raise APIError(400, "prompt_logprobs are not available with stream=true",
+                           "prompt_logprobs")
         try:
             return SamplingParams(
                 n=self.n,
@@ -257,6 +264,7 @@ class _SamplingFields(_Request):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
@@ -292,7 +300,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def _check_unsupported(self) -> None:
-        for name, default in (("echo", False), ("suffix", None)):
+        for name, default in (("suffix", None),):
             if getattr(self, name) != default:
                 raise APIError(400, f"{name} is not supported by minivllm; leave it out", name)
         if self.best_of not in (None, self.n):
@@ -304,7 +312,10 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         self._check_unsupported()
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        params = self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            params = replace(params, prompt_logprobs=self.logprobs)  # they lead the logprobs
+        return params
 
     def to_beam_search_params(self) -> BeamSearchParams:
         self._check_unsupported()

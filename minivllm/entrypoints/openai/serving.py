@@ -45,6 +45,7 @@ from minivllm.engine.async_llm import (
 )
 from minivllm.entrypoints.chat_utils import ChatOptions, ChatTemplates, render_chat
 from minivllm.entrypoints.openai.limits import ServingLimits
+from minivllm.entrypoints.openai.logprobs import openai_logprobs, prompt_logprobs_json
 from minivllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -61,7 +62,8 @@ from minivllm.entrypoints.openai.structured import (
 from minivllm.entrypoints.openai.tool_parsers import AutoToolCalls, ToolCallOptions
 from minivllm.sampling_params import BeamSearchParams
 
-_PARAM_FIELDS = ("logprobs", "logit_bias", "allowed_token_ids", "bad_words")  # engine errors name them
+_PARAM_FIELDS = ("logprobs", "prompt_logprobs", "priority", "logit_bias", "allowed_token_ids",
+                 "bad_words")  # the engine's errors for these begin with their name
 
 
 def sse(obj: dict | str) -> str:
@@ -218,6 +220,8 @@ class OpenAIServing:
                    for p in texts]
         kind = Kind("cmpl", "text_completion", chat=False, model=req.model or self.model_name,
                     top_n=req.logprobs or 0, req=req)
+        if req.echo:  # the completion text starts with the prompt's (vLLM's echo)
+            kind.echo = [p if isinstance(p, str) else await self.decode(p) for p in texts]
         return await self._create(req, prompts, kind, lora, request_constraint(req))
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
@@ -247,7 +251,7 @@ class OpenAIServing:
                                     f"(a beam search ranks, it samples nothing to constrain)",
                                "use_beam_search")
             params = dataclasses.replace(params, structured_outputs=constraint.params)
-        batch = [(prompt, params, f"{kind.engine_id}-{p_idx}", lora)
+        batch = [(prompt, params, f"{kind.engine_id}-{p_idx}", lora, req.priority)
                  for p_idx, prompt in enumerate(prompts)]
         try:
             # One command for the whole request: its prompts start in the same step.
@@ -283,9 +287,13 @@ class OpenAIServing:
         token_ids: list[list[int]] = [[] for _ in streams]
         logprobs: list[list] = [[] for _ in streams]
         last: list[StreamDelta | None] = [None] * len(streams)
+        prompt_lps: list[list | None] = [None] * len(streams)
         try:
             async with contextlib.aclosing(merge(self.llm, streams)) as deltas:
                 async for i, d in deltas:
+                    if last[i] is None:  # the first delta: echo, and the prompt's logprobs
+                        prompt_lps[i] = d.prompt_logprobs
+                        texts[i], token_ids[i], logprobs[i] = kind.echoed(i, d, streams)
                     texts[i] += d.text
                     token_ids[i] += d.token_ids
                     logprobs[i] += d.logprobs or []
@@ -294,9 +302,11 @@ class OpenAIServing:
             raise APIError(500, str(e)) from None
         choices = []
         for i, d in enumerate(last):
-            lp = self._logprobs(kind, logprobs[i], token_ids[i]) \
-                if d.logprobs is not None else None
+            lp = openai_logprobs(kind.decode or self.tokenizer.decode, kind.chat, kind.top_n,
+                                 logprobs[i], token_ids[i]) if d.logprobs is not None else None
             choice = {"index": i, "finish_reason": d.finish_reason, "logprobs": lp}
+            if prompt_lps[i] is not None and not kind.chat:  # vLLM's, on the choice
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[i])
             if kind.tools is not None:  # the answer is whole: OpenAI's tool calls, if any
                 choice["message"], choice["finish_reason"] = kind.tools.reply(texts[i],
                                                                               d.finish_reason)
@@ -307,7 +317,10 @@ class OpenAIServing:
             choice["stop_reason"] = d.stop_reason
             choices.append(choice)
         num_out = sum(d.num_output_tokens for d in last)
-        return kind.envelope(choices, usage(num_prompt_tokens, num_out))
+        response = kind.envelope(choices, usage(num_prompt_tokens, num_out))
+        if kind.chat and prompt_lps[0] is not None:  # vLLM's, on the response
+            response["prompt_logprobs"] = prompt_logprobs_json(prompt_lps[0])
+        return response
 
     async def _stream(self, streams: list[RequestStream], kind: Kind, num_prompt_tokens: int,
                       include_usage: bool, continuous_usage: bool = False,
@@ -316,6 +329,7 @@ class OpenAIServing:
 
         ``continuous_usage``: every delta chunk also carries the usage so far."""
         num_out = [0] * len(streams)
+        echoed = [False] * len(streams)
         chunk = kind.chunk
         calls = None if kind.tools is None else [kind.tools.stream() for _ in streams]
         try:
@@ -329,8 +343,14 @@ class OpenAIServing:
                     # back (a possible stop string) or incomplete: a client keeping up
                     # gets one per engine step; one that falls behind, merged deltas.
                     num_out[i] = d.num_output_tokens
-                    lp = self._logprobs(kind, d.logprobs, d.token_ids) if d.logprobs else None
-                    body = {"delta": {"content": d.text}} if kind.chat else {"text": d.text}
+                    text, ids, entries = kind.echoed(i, d, streams) if not echoed[i] \
+                        else ("", [], [])
+                    echoed[i] = True
+                    text, ids, entries = text + d.text, ids + d.token_ids, \
+                        entries + (d.logprobs or [])
+                    lp = openai_logprobs(kind.decode or self.tokenizer.decode, kind.chat,
+                                         kind.top_n, entries, ids) if d.logprobs else None
+                    body = {"delta": {"content": text}} if kind.chat else {"text": text}
                     finish = d.finish_reason
                     if calls is not None:
                         delta, finish = calls[i].delta(d.text, d.finish_reason)
@@ -346,44 +366,6 @@ class OpenAIServing:
         except (EngineDeadError, RequestError) as e:
             yield sse(APIError(500, str(e)).body())
 
-    def _logprobs(self, kind: Kind, entries: list[dict], token_ids: list[int]) -> dict:
-        """Per-token logprobs in the endpoint's OpenAI format.
-
-        Each engine entry holds the sampled token plus the ``top_n`` most
-        likely ones (ranks 1..top_n); the sampled token is listed among the top
-        only if its rank is within them.
-        """
-        # vLLM's return_tokens_as_token_ids: "token_id:42", for tokens that are no text.
-        decode = (lambda ids: f"token_id:{ids[0]}") if kind.token_ids_as_text \
-            else self.tokenizer.decode
-        rows = []  # (token text, its logprob, [(top token text, logprob), ...])
-        for tok, entry in zip(token_ids, entries):
-            top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
-                         if lp.rank is not None and lp.rank <= kind.top_n)
-            rows.append((decode([tok]), entry[tok].logprob,
-                         [(decode([t]), v) for _, t, v in top]))
-        if kind.chat:
-            return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
-                                  for s, v in top]}
-                for t, lp, top in rows]}
-        offsets, pos = [], 0
-        for t, _, _ in rows:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-                "top_logprobs": [_by_text(top) for _, _, top in rows], "text_offset": offsets}
-
-
-def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
-    """``{text: logprob}``, most likely first; where two tokens decode to the same
-    text (e.g. two halves of a character, both U+FFFD) the likelier one is kept."""
-    out: dict[str, float] = {}
-    for text, logprob in top:
-        out.setdefault(text, logprob)
-    return out
-
 
 class Kind:
     """What differs between the two endpoints: ids, object names and chunk shape."""
@@ -394,10 +376,22 @@ class Kind:
         # vLLM's request_id names the response; the engine's ids stay unique anyway.
         self.id = f"{prefix}-{getattr(req, 'request_id', None) or nonce}"
         self.engine_id = f"{prefix}-{nonce}"
-        self.token_ids_as_text = bool(getattr(req, "return_tokens_as_token_ids", False))
+        # vLLM's return_tokens_as_token_ids: logprob tokens written "token_id:42".
+        self.decode = (lambda ids: f"token_id:{ids[0]}") \
+            if getattr(req, "return_tokens_as_token_ids", False) else None
         self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
         self.tools = tools  # the answer holds tool calls (chat with tools and tool_choice)
+        self.echo: list[str] | None = None  # completions' echo: each prompt's text
         self.created = int(time.time())
+
+    def echoed(self, i: int, d: StreamDelta, streams: list) -> tuple[str, list[int], list]:
+        """What choice ``i``'s text, token ids and logprob entries start with: with
+        ``echo``, its prompt's (the first entry None: nothing scores the first token)."""
+        if self.echo is None:
+            return "", [], []
+        prompt = self.echo[i * len(self.echo) // len(streams)]  # n choices per prompt
+        ids = list(d.prompt_token_ids)
+        return prompt, ids, list(d.prompt_logprobs or [None] * len(ids))
 
     def envelope(self, choices: list[dict], usage_: dict | None) -> dict:
         return {"id": self.id, "object": self.obj, "created": self.created,
