@@ -219,14 +219,25 @@ def plot_soak(report: dict, ax_latency, ax_rss=None) -> None:
     for key, style in (("ttft_p99_s", "o-"), ("ttft_p50_s", "o--"),
                        ("itl_p99_s", "s-"), ("itl_p50_s", "s--")):
         ax_latency.plot(t, [r[key] for r in rows], style, label=key[:-2].replace("_", " "))
+    ax_latency.axhline(TTFT_P99_TARGET_S, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"p99 TTFT target ({TTFT_P99_TARGET_S:g} s)")
     ax_latency.set_yscale("log")
     ax_latency.set_xlabel("time into the soak (s)")
     ax_latency.set_ylabel("latency (s)")
     ax_latency.legend(fontsize=8)
-    if ax_rss is not None:
-        ax_rss.plot(t, [r["rss_mb"] for r in rows], "k.-")
+    if ax_rss is not None:  # against the first window after warm-up, with the target band
+        rss = [r["rss_mb"] for r in rows]
+        base = next((v for v in rss[1:] if not math.isnan(v)), rss[0])
+        change = [100 * (v / base - 1) for v in rss]
+        ax_rss.plot(t, change, "k.-", label=f"RSS ({base:.0f} MB = 0)")
+        for y in (-100 * RSS_DRIFT_TARGET, 100 * RSS_DRIFT_TARGET):
+            ax_rss.axhline(y, color="tab:red", linestyle="--", linewidth=1)
+        low, high = min(change + [-8.0]), max(change + [8.0])
+        ax_rss.set_ylim(low, high)
         ax_rss.set_xlabel("time into the soak (s)")
-        ax_rss.set_ylabel("server RSS (MB)")
+        ax_rss.set_ylabel("server RSS change (%)")
+        ax_rss.legend(fontsize=8, title=f"target: within {RSS_DRIFT_TARGET:.0%}",
+                      title_fontsize=8)
 
 
 def run_soak(engine, base_url: str, model: str, vocab: int, duration_s: float,
