@@ -338,7 +338,7 @@ def test_spawned_ranks_build_the_ops_before_spawning(monkeypatch):
     with only ref twins, or on CUDA, nothing is built."""
     from types import SimpleNamespace
 
-    from minivllm.engine import rank_starters
+    from minivllm.executor import rank_starters
 
     calls = []
     monkeypatch.setattr(cpu_ops, "available", lambda: calls.append("build") or True)

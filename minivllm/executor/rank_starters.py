@@ -20,13 +20,11 @@ start, and how their failure is seen, is a strategy:
   processes it did not start, so a rank that dies shows up as a broken
   collective.
 
-Either way the other ranks run the same loop,
-:func:`minivllm.worker.worker.serve`, and every call reaches them in the same
-message (:mod:`minivllm.executor.wire`). This differs from vLLM's
-``external_launcher``, where every rank runs a whole engine and the ranks
-agree because scheduling is deterministic: here rank 0's decisions travel
-to the others, exactly as with spawned workers, so ``minivllm serve`` (one
-server, requests arriving at any time) works across machines too.
+Either way the other ranks run :func:`minivllm.worker.worker.serve`, and every
+call reaches them in the same message (:mod:`minivllm.executor.wire`). Unlike
+vLLM's ``external_launcher`` (every rank a whole engine, agreeing because
+scheduling is deterministic), rank 0's decisions travel to the others, so
+``minivllm serve`` (requests arriving at any time) works across machines too.
 """
 
 from __future__ import annotations
@@ -202,6 +200,10 @@ class SpawnedRanks:
     def _describe(self, rank: int, proc: Any) -> str:
         config = self._config
         name = describe_rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
+        proc.join(timeout=5)  # dead: its exit code (a racing thread may see None a moment)
+        deadline = time.monotonic() + 2.0
+        while proc.exitcode is None and time.monotonic() < deadline:  # it is dead here
+            time.sleep(0.01)
         return f"{name} (pid {proc.pid}) died: {describe_exit(proc.exitcode)}"
 
     def _watch(self) -> None:
@@ -216,12 +218,11 @@ class SpawnedRanks:
             if self._expect_exit.is_set():
                 return
             rank, proc = sentinels[ready[0]]
-            proc.join(timeout=1)  # its exit code
+            self._first_death = self._describe(rank, proc)  # named before the others die
             for other in self.procs:
                 other.kill()  # a no-op for one that has exited
             for other in self.procs:
                 other.join(timeout=5)  # reaped: no rank is left once the error is raised
-            self._first_death = self._describe(rank, proc)
         finally:
             self._settled.set()
 
