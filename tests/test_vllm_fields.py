@@ -123,8 +123,9 @@ VLLM_FIELDS: dict[str, Row] = {
     "tool_choice": H(CHAT, "tests/test_tool_calling_server.py::test_auto_finds_the_models_call"),
     "parallel_tool_calls": H(CHAT, "tests/test_structured_server.py::test_required_tool_calls_name_a_tool_with_valid_arguments"),
     "prompt_logprobs": H(BOTH, "tests/test_server_prompt_logprobs.py::test_completions_prompt_logprobs_on_each_choice"),
-    # echo: completions'. Chat's echo (vLLM: repeat the last message) is not implemented.
-    "echo": H(C, "tests/test_server_prompt_logprobs.py::test_echo_leads_with_the_prompt_streamed_or_not"),
+    # echo: completions' (the prompt leads) and chat's (the last message leads, vLLM's);
+    # tests/test_server_prompt_logprobs.py::test_echo_leads_with_the_prompt_streamed_or_not
+    "echo": H(BOTH, f"{HERE}::test_chat_echo_starts_with_the_last_message"),
     "priority": H(BOTH, "tests/test_server_prompt_logprobs.py::test_priority_field_is_taken_and_checked"),
 }  # fmt: skip
 
@@ -381,3 +382,26 @@ def test_response_format_on_completions_over_http(served):
         assert (" " in text) == space, text
     r = post(server, "completions", response_format=rf, structured_outputs={"choice": ["x"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_chat_echo_starts_with_the_last_message(served):
+    """vLLM's chat ``echo``: the answer starts with the last message's content when that
+    message has the reply's role (continuing an assistant turn), and with nothing else;
+    streamed deltas add up to the same text."""
+    server, _ = served
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    body = dict(messages=turn, add_generation_prompt=False, continue_final_message=True,
+                temperature=0, max_tokens=4, ignore_eos=True)
+    plain = post(server, "chat", **body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "chat", echo=True, **body).json()["choices"][0]["message"]["content"]
+    assert echoed == "Once upon" + plain
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "stream": True, "echo": True, **body}) as r:
+        parts = [json.loads(line[6:]) for line in r.iter_lines()
+                 if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in parts
+                   if c["choices"]) == echoed
+    # The last message is the user's and the reply is the assistant's: nothing to echo.
+    user_last = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    assert post(server, "chat", echo=True, **user_last).json()["choices"][0]["message"][
+        "content"] == post(server, "chat", **user_last).json()["choices"][0]["message"]["content"]

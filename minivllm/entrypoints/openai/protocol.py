@@ -370,10 +370,18 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
     documents: list[dict[str, str]] | None = None  # for templates that read them (RAG)
+    echo: bool = False  # vLLM's: the answer starts with the last message, if it is the reply's role
     # Tool calls (minivllm/entrypoints/openai/structured.py).
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts before the answer (vLLM's): the last message's content when its
+        role is the reply's (``assistant`` with ``add_generation_prompt``, else its own)."""
+        last = self.messages[-1].for_template()
+        role = "assistant" if self.add_generation_prompt else last["role"]
+        return (last.get("content") or "") if last["role"] == role else ""
 
     def _check_unsupported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:

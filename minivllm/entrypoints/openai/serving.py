@@ -236,8 +236,8 @@ class OpenAIServing:
         if tools is None and req.tools and req.tool_choice in (None, "auto"):
             tools = AutoToolCalls(parser, self.tokenizer)  # the model's own calls, parsed
         kind = Kind("chatcmpl", "chat.completion", chat=True, model=req.model or self.model_name,
-                    top_n=req.top_logprobs or 0, req=req,
-                    tools=tools)
+                    top_n=req.top_logprobs or 0, req=req, tools=tools)
+        kind.echo = [req.echo_text()] if req.echo else None
         return await self._create(req, [prompt], kind, lora, constraint)
 
     # -- shared machinery --------------------------------------------------------------
@@ -381,14 +381,14 @@ class Kind:
             if getattr(req, "return_tokens_as_token_ids", False) else None
         self.obj, self.chat, self.model, self.top_n = obj, chat, model, top_n
         self.tools = tools  # the answer holds tool calls (chat with tools and tool_choice)
-        self.echo: list[str] | None = None  # completions' echo: each prompt's text
+        self.echo: list[str] | None = None  # echo: each prompt's text (chat: the last message's)
         self.created = int(time.time())
 
     def echoed(self, i: int, d: StreamDelta, streams: list) -> tuple[str, list[int], list]:
         """What choice ``i``'s text, token ids and logprob entries start with: with
         ``echo``, its prompt's (the first entry None: nothing scores the first token)."""
-        if self.echo is None:
-            return "", [], []
+        if self.echo is None or self.chat:  # chat: the last message's text, no tokens
+            return ("" if self.echo is None else self.echo[0]), [], []
         prompt = self.echo[i * len(self.echo) // len(streams)]  # n choices per prompt
         ids = list(d.prompt_token_ids)
         return prompt, ids, list(d.prompt_logprobs or [None] * len(ids))
