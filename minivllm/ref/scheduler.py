@@ -74,9 +74,6 @@ __all__ = ["Scheduler"]
 
 
 class Scheduler(GroupScheduling):
-    #: The ``priority`` policy's waiting queue (the fast twin's is a heap).
-    priority_queue_cls = PriorityWaitingQueue
-
     """Continuous batching with chunked prefill, prefix caching and preemption.
 
     Args:
@@ -93,6 +90,9 @@ class Scheduler(GroupScheduling):
     handed out (``SchedulerOutput.new_block_ids``), and the worker that owns
     the table on the model's device applies them.
     """
+
+    #: The ``priority`` policy's waiting queue (the fast twin's is a heap).
+    priority_queue_cls = PriorityWaitingQueue
 
     def __init__(
         self,
