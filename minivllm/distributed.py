@@ -9,8 +9,8 @@ of a group of 1 and every collective is the identity.
 Three groups, all over the same ranks:
 
 - the *device group* (the default group): ``nccl`` on CUDA, ``gloo`` on CPU;
-  carries the model's collectives (two all-reduces per layer, one gather of
-  the logits). Created with a short ``timeout`` so that a dead peer makes a
+  carries the model's collectives (two all-reduces per layer, one all-gather
+  of the logits). Created with a short ``timeout`` so that a dead peer makes a
   collective raise instead of hanging forever.
 - the *CPU group* (gloo, same short timeout): host-side metadata, such as the
   packed :class:`~minivllm.metadata.ModelInput` rank 0 broadcasts each step.
@@ -246,21 +246,5 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
         parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
         dist.all_gather(parts, x, group=_TP_GROUP)
         return torch.cat(parts, dim=dim)
-
-    return _timed(gather, x)
-
-
-def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0,
-                                 dim: int = -1) -> torch.Tensor | None:
-    """Concatenate every rank's ``x`` along ``dim`` on rank ``dst``; None on the others."""
-    if _TP_SIZE == 1:
-        return x
-    _require_group()
-    x = x.contiguous()
-
-    def gather() -> torch.Tensor | None:
-        parts = [torch.empty_like(x) for _ in range(_TP_SIZE)] if _TP_RANK == dst else None
-        dist.gather(x, parts, dst=_PP_RANK * _TP_SIZE + dst, group=_TP_GROUP)
-        return torch.cat(parts, dim=dim) if parts is not None else None
 
     return _timed(gather, x)

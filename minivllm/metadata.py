@@ -1,12 +1,10 @@
 """The small dataclasses that carry one step's data down the pipeline.
 
-request -> scheduler -> :class:`SchedulerOutput` (who runs, new block ids) ->
-model runner -> :class:`StepInput` (sent to every rank) -> worker (applies the
-block-table changes to its own table) -> :class:`ModelInput` with its
-:class:`AttentionMetadata` -> model -> logits -> sampler -> sampled tokens ->
-scheduler.update_from_output.
-
-Metadata is always passed as an explicit argument, never through global state.
+scheduler -> :class:`SchedulerOutput` -> :class:`StepInput` (sent to every rank; its
+plan: :mod:`minivllm.step_sampling`) -> worker (applies the block-table changes to its own
+table) -> :class:`ModelInput` with its :class:`AttentionMetadata` -> model -> logits ->
+the worker's sampler -> token ids -> scheduler.update_from_output. Always explicit
+arguments, never global state.
 """
 
 from __future__ import annotations
@@ -21,17 +19,16 @@ from typing import Any
 import torch
 
 from minivllm.request import Request
+from minivllm.step_sampling import SamplingPlan
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One scheduled request as it was when the scheduler decided (a snapshot).
 
-    vLLM's ``NewRequestData`` / ``CachedRequestData`` in one record: what the
-    rest of the step reads about a request, copied when the
-    :class:`SchedulerOutput` is made, so the step never reads a live
-    :class:`~minivllm.request.Request` that a later step (a pipeline keeps
-    several in flight) may already have advanced.
+    vLLM's ``NewRequestData`` / ``CachedRequestData`` in one record, copied when the
+    :class:`SchedulerOutput` is made, so the step never reads a live ``Request``
+    that a later step (a pipeline keeps several in flight) may have advanced.
 
     Attributes:
         request_id: the request.
@@ -222,7 +219,7 @@ class StepInput:
         logits_indices: ``(num_logits,)`` int64 CPU tensor, the rows whose
             next-token logits are needed (per request: prompt-logprob rows, then sampled).
         prompt_logprob_rows: ``(request_id, first_position, first_row, count)`` per
-            request with prompt-logprob rows (read on rank 0, not sent over the wire).
+            request with prompt-logprob rows (the engine copies them into the plan).
         lora_ids: per scheduled request, its LoRA adapter's ``lora_int_id`` (0:
             the base model); empty when no request of the step has one. Every
             rank knows each adapter by its id (``Executor.add_lora``).
@@ -230,6 +227,8 @@ class StepInput:
             layer's K and V) before the step's forward: the copy-on-write of a
             block shared by forked requests (parallel sampling, beam search).
             Empty unless a request forked.
+        sampling: what the sampling worker does with the logits
+            (:class:`~minivllm.step_sampling.SamplingPlan`); None: it returns them.
     """
 
     req_ids: tuple[str, ...]
@@ -244,6 +243,7 @@ class StepInput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
     lora_ids: tuple[int, ...] = ()
     prompt_logprob_rows: tuple[tuple[str, int, int, int], ...] = ()
+    sampling: SamplingPlan | None = None
 
     @property
     def num_tokens(self) -> int:

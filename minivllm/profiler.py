@@ -138,6 +138,8 @@ class Profiler:
             on_device = evt.device_type() != torch.autograd.DeviceType.CPU
             (device if on_device else cpu)[name] += evt.duration_ns() / 1e9
         stages = {s: cpu[s] for s in STAGES}
+        # The sampling worker samples inside the executor's call: "sample" is its own row.
+        stages["forward"] = max(0.0, cpu["forward"] - cpu["sample"])
         stages["layers (in forward)"] = cpu["layers (in forward)"]
         # Kernels run asynchronously on a GPU: the CPU time of a range is only its launch.
         times = device if any(device[f"op.{op}"] for op in OPS) else cpu

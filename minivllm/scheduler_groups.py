@@ -1,11 +1,12 @@
-"""What the engine asks of a scheduler beyond the textbook loop: forks, requeues, holds.
+"""What the engine asks of a scheduler beyond the textbook loop: forks, requeues, drafts, holds.
 
 :class:`GroupScheduling` is a mixin of :class:`minivllm.ref.scheduler.Scheduler`
 (and so of its fast twin): none of it is part of the course's scheduler task.
 The engine calls these between steps for the requests of a parallel-sampling
 group (``SamplingParams.n > 1``) and of a beam search
-(:mod:`minivllm.engine.sequence_groups`), and to hold a LoRA request whose
-adapter has no slot yet (:mod:`minivllm.engine.lora_requests`). It uses the
+(:mod:`minivllm.engine.sequence_groups`), to hand over the drafts the worker
+proposed (speculative decoding), and to hold a LoRA request whose adapter has
+no slot yet (:mod:`minivllm.engine.lora_requests`). It uses the
 scheduler's ``running``, ``waiting``, ``requests``, ``finished_req_ids``,
 ``kv_cache_manager``, ``max_model_len``, ``scheduler_config`` and its
 ``_free_request`` / ``_remove_from_running`` hooks.
@@ -19,7 +20,7 @@ from minivllm.request import Request, RequestStatus, check_stop
 
 
 class GroupScheduling:
-    """Forks (shared blocks), extensions, requeues and holds (see the module docstring)."""
+    """Forks (shared blocks), extensions, requeues, drafts and holds (see the module docstring)."""
 
     _new_rows: list[str]  # children forked since the last take_block_changes()
 
@@ -58,6 +59,15 @@ class GroupScheduling:
                 self._remove_from_running([request])
                 return True
         return False
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Speculative decoding: the drafts the worker proposed, for each request's next
+        step (vLLM v1's name). A request that finished or left ``running`` meanwhile
+        gets none (a resumed request recomputes first)."""
+        for request_id, drafts in draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(drafts)
 
     def withdraw(self, request_id: str) -> Request:
         """Take a waiting request back out of the scheduler, untouched (the engine holds a

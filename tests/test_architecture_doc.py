@@ -132,10 +132,11 @@ NOT_A_REQUEST = {
     "bench/_soak.py": "SoakResult.status",
     "bench/sharing.py": "a benchmark that drives a scheduler by hand, with its own requests",
     "engine/async_stream.py": "a stream delta's stop_reason",
+    "worker/sampling.py": "the sampling worker's own copy of a request (CachedRequestState)",
 }
 #: Who changes a live Request today, as docs/architecture.md says.
 REQUEST_WRITERS = {"ref/scheduler.py", "scheduler_groups.py", "engine/output_processor.py",
-                   "engine/sequence_groups.py", "spec_decode/proposer.py"}
+                   "engine/sequence_groups.py"}
 
 
 def _writes_request_state(tree: ast.AST) -> bool:

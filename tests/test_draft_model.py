@@ -77,7 +77,7 @@ class Batch:
             input_ids=torch.tensor(ids), positions=torch.tensor(positions),
             logits_indices=ends,
         )
-        logits = worker.execute_model(step)  # the target's prefill
+        logits = worker.execute_model(step).logits  # the target's prefill
         for r, row in zip(self.requests, logits):
             r.num_computed_tokens = r.num_tokens
             r.append_output_token_ids(int(row.argmax()))
@@ -200,7 +200,7 @@ def test_separate_draft_model_over_rounds(tiny_model_dir):
         r.num_computed_tokens = r.num_tokens - 1
         rounds += 1
     assert rounds >= 3
-    # A preemption voids the draft's cache: it starts again from position 0.
+    # A preemption (the worker drops its row) voids the draft's cache: from position 0.
     assert proposer.first_uncached(r) == r.num_tokens - 1
-    r.num_preemptions += 1
+    proposer.invalidate(r.request_id)
     assert proposer.first_uncached(r) == 0

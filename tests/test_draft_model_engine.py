@@ -153,10 +153,11 @@ def test_separate_draft_survives_preemption(tiny_model_dir):
 
 
 def test_draft_model_with_tensor_parallelism(tiny_model_dir):
-    """A draft model runs beside the whole model in one process: with the ref's simulated
-    ranks tp=2 works (and matches transformers); with one process per rank it is refused
-    before anything is loaded (its forward would run on rank 0 alone, its all-reduces
-    waiting forever for the others)."""
+    """A draft model runs beside the target's layers on every tensor-parallel rank: with
+    the ref's simulated ranks (one process) and with one process per rank (the ranks
+    sample alike, so they run the draft's forward and its all-reduces together), the
+    greedy tokens are transformers' and drafts were verified. Pipeline stages are
+    refused before anything is loaded (speculation needs one stage)."""
     from minivllm import LLM, backend
     from minivllm.executor.ranks import simulates_all_ranks
 
@@ -166,12 +167,14 @@ def test_draft_model_with_tensor_parallelism(tiny_model_dir):
         spec_ = {**kernels_ref, "linear": linear}
         kw = dict(backend=spec_, tensor_parallel_size=2, dtype="float32", device="cpu",
                   max_model_len=128, speculative_config=spec(2, layers=1))
-        if not simulates_all_ranks(spec_):
-            with pytest.raises(ValueError, match="draft_model.*tensor_parallel_size=2"):
-                LLM(path, **kw)
-            continue
         llm = LLM(path, **kw)
-        prompts = random_prompts(2, [5, 9], seed=3)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6),
-                            use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 6)
+        try:
+            prompts = random_prompts(2, [5, 9], seed=3)
+            got, drafted, _ = generate_with_stats(llm, prompts, greedy(6))
+            assert got == hf_greedy(path, prompts, 6), simulates_all_ranks(spec_)
+            assert drafted > 0
+        finally:
+            llm.shutdown()
+    with pytest.raises(ValueError, match="speculative_config needs pipeline_parallel_size=1"):
+        LLM(path, pipeline_parallel_size=2, dtype="float32", device="cpu", max_model_len=128,
+            speculative_config=spec(2, layers=1))

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import sampling
 from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 from minivllm.engine.output_processor import IncrementalDetokenizer
 from minivllm.metadata import ScheduledRequest
 from minivllm.outputs import RequestFailedError
+from minivllm.worker import sampling
 
 VICTIM = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]  # a prompt length no other request has
 OTHERS = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33], [1, 2, 3]]
@@ -58,12 +58,21 @@ def _drain(engine) -> dict[str, object]:
     return final
 
 
+def _assert_worker_forgets(engine):
+    """The sampling worker holds no request the engine forgot but the ones the next plan
+    tells it of (vLLM v1's finished_req_ids travel with the next step too)."""
+    sampler = engine.executor.worker.sampler
+    held = set(sampler.requests) | set(sampler.seeded_generators)
+    assert held <= set(engine.planner.forgotten)
+
+
 def _run(engine, with_victim: bool):
     ids = [engine.add_request(None, p, sp) for p, sp in zip(OTHERS, _others_params())]
     victim = engine.add_request(None, VICTIM, _victim_params()) if with_victim else None
     final = _drain(engine)
     assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks  # no leak
-    assert not engine.output_processor.states and not engine.sampler.seeded_generators
+    assert not engine.output_processor.states and not engine.planner.seen
+    _assert_worker_forgets(engine)
     assert not engine.scheduler.requests
     return [final[i] for i in ids], (final.get(victim) if victim is not None else None)
 
@@ -182,14 +191,14 @@ def test_a_failure_while_adding_leaves_nothing_behind(engine, undisturbed, monke
         with pytest.raises(Boom):
             engine.add_request(None, VICTIM, _victim_params(), request_id="v")
     with monkeypatch.context() as m:
-        m.setattr(sampling.StepSampler, "make_generator",
-                  lambda self, r: (_ for _ in ()).throw(Boom("generator")))
+        m.setattr(engine.structured, "compile",
+                  lambda params: (_ for _ in ()).throw(Boom("grammar")))
         with pytest.raises(Boom):
             engine.add_request(None, VICTIM, _victim_params(), request_id="v")
     # A request that can never fit is refused by the scheduler, the last check.
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request(None, VICTIM * 20, SamplingParams(max_tokens=1))
-    assert not engine.output_processor.states and not engine.sampler.seeded_generators
+    assert not engine.output_processor.states and not engine.planner.seen
     assert not engine.scheduler.requests and not engine.has_unfinished_requests()
     assert engine.scheduler.num_free_blocks == blocks
     others, _ = _run(engine, with_victim=False)

@@ -258,3 +258,34 @@ def test_beam_search_under_an_adapter_matches_the_merged_model(lora_adapters, tm
         base_llm = make_llm(base, block_size=4)
         plain = base_llm.beam_search([{"prompt_token_ids": prompts[0]}], params)[0]
         assert [s.tokens for s in plain.sequences] != [s.tokens for s in got[0].sequences]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_under_adapters_matches_peft(lora_adapters, method):
+    """LoRA and speculative decoding together: drafts (n-gram, or the target's first
+    layer without the adapter) are verified by the target under each request's adapter,
+    so a mixed batch gives PEFT's greedy tokens, and drafts were verified."""
+    base, adapters = lora_adapters("llama")
+    names = ["all_r16", None, "qv_r4", "all_r16"]
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], *random_prompts(3, [5, 9, 3], seed=8)]
+    oracle = peft_model(base, adapters)
+    want = [oracle_tokens(oracle, p, n, NEW_TOKENS) for p, n in zip(prompts, names)]
+    spec = {"method": method, "num_speculative_tokens": 2}
+    spec.update({"num_draft_layers": 1} if method == "draft_model" else
+                {"prompt_lookup_min": 1})
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4,
+                   speculative_config=spec)
+    engine, params = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                    ignore_eos=True)
+    ids = [engine.add_request(None, p, params,
+                              lora_request=None if n is None else lora_request(adapters, n))
+           for p, n in zip(prompts, names)]
+    final, drafted = {}, 0
+    while engine.has_unfinished_requests():
+        outputs, stats = engine.step_with_stats()
+        drafted += stats.num_draft_tokens
+        final.update({o.request_id: list(o.outputs[0].token_ids)
+                      for o in outputs if o.finished})
+    assert [final[i] for i in ids] == want
+    assert drafted > 0
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks

@@ -198,14 +198,16 @@ def test_ref_pipeline_equals_real_pipeline_exactly(tiny_model_dir) -> None:
             batches = Batches(seed=7, vocab=ex.hf_config.vocab_size)
             inputs = [batches.next_input() for _ in range(4)]
             pending = [ex.execute_model(s) for s in inputs[:3]]  # in flight
-            logits = [p.result() for p in pending] + [ex.execute_model(inputs[3]).result()]
+            logits = [p.result().logits for p in pending] + [
+                ex.execute_model(inputs[3]).result().logits]
             runs.append(logits)
             memory.append(ex.memory_per_rank())
             timelines.append(ex.stage_timeline())
     with UniProcExecutor(WorkerConfig(path, torch.float32, "cpu"), spec) as whole:
         whole.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
         batches = Batches(seed=7, vocab=whole.hf_config.vocab_size)
-        expected = [whole.execute_model(batches.next_input()).result() for _ in range(4)]
+        expected = [whole.execute_model(batches.next_input()).result().logits
+                    for _ in range(4)]
         whole_memory = whole.memory_per_rank()[0]
     for step, (sim, real, one) in enumerate(zip(*runs, expected)):
         assert torch.equal(sim, real), f"step {step}: simulation != real processes"

@@ -132,6 +132,54 @@ def test_beam_search_refuses_bad_input(tiny_model_dir):
     assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
 
 
+@pytest.mark.parametrize("overrides", [
+    {"backend": {"linear": "ref"}},  # the stages simulated in one process
+    {"backend": {"linear": "ref"}, "max_num_batched_tokens": 6, "max_num_seqs": 5,
+     "num_gpu_blocks_override": 30},  # and a group split over micro-batches, preempted
+    {"backend": {"linear": "fast"}},  # one process per stage
+])
+def test_beam_search_with_pipeline_parallelism_matches_transformers(eos_model_dir,
+                                                                     overrides):
+    """With two pipeline stages (micro-batches in flight), a group ranks when its last
+    beam's candidates come back: the beams are transformers'."""
+    prompts = random_prompts(3, [11, 6, 9], seed=5)
+    llm = make_llm(eos_model_dir, block_size=2, pipeline_parallel_size=2, **overrides)
+    try:
+        check_beams(llm, eos_model_dir, prompts,
+                    BeamSearchParams(beam_width=3, max_tokens=7, ignore_eos=False))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_beam_search_and_n_compose_with_speculative_decoding(tiny_model_dir, method):
+    """With speculative decoding on, a beam search equals transformers' (beams rank their
+    candidates, they get no drafts) while greedy requests with n = 3 in the same engine
+    verify drafts and still give transformers' greedy tokens in every child."""
+    path = tiny_model_dir("llama")
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["num_draft_layers"] = 1
+    else:
+        spec["prompt_lookup_min"] = 1
+    llm = make_llm(path, block_size=4, speculative_config=spec)
+    prompts = random_prompts(2, [7, 19], seed=3)
+    check_beams(llm, path, prompts, BeamSearchParams(beam_width=3, max_tokens=6,
+                                                      ignore_eos=True))
+    engine, want = llm.llm_engine, hf_greedy(path, prompts, 8)
+    ids = [engine.add_request(None, p, SamplingParams(n=3, temperature=0.0, max_tokens=8,
+                                                      ignore_eos=True)) for p in prompts]
+    final, drafted = {}, 0
+    while engine.has_unfinished_requests():
+        outputs, stats = engine.step_with_stats()
+        drafted += stats.num_draft_tokens
+        final.update({o.request_id: o for o in outputs if o.finished})
+    assert drafted > 0
+    for rid, w in zip(ids, want):
+        assert [list(c.token_ids) for c in final[rid].outputs] == [w] * 3
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
+
+
 # -- parallel sampling ---------------------------------------------------------------
 
 

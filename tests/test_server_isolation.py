@@ -22,10 +22,10 @@ import pytest
 from server_utils import offline_backend
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import sampling
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.output_processor import IncrementalDetokenizer
 from minivllm.entrypoints.openai.api_server import ServerThread
+from minivllm.worker import sampling
 
 VICTIM = [7] * 11  # a prompt length no other request has
 OTHERS = [  # (token-id prompt, request fields): greedy, seeded, seeded top-k

@@ -115,7 +115,8 @@ def run_steps(executor: UniProcExecutor | MultiprocExecutor, seed: int,
     assert nbytes > 0
     executor.init_kv_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_reqs=4, max_num_blocks_per_req=8)
     batches = Batches(seed, vocab)
-    return [executor.execute_model(batches.next_input()).result() for _ in range(steps)]
+    return [executor.execute_model(batches.next_input()).result().logits
+            for _ in range(steps)]
 
 
 def test_pack_unpack_round_trip() -> None:

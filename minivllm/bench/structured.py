@@ -207,7 +207,8 @@ def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2
     run, alternated so that a change in the machine's load hits both, and the
     best of each. ``speed`` is unconstrained ms per token over constrained
     (1.0: constraints cost nothing). ``mask_ms``: the time of the engine's own
-    structured-output calls (``mask_logits`` + ``advance``) per output token in
+    structured-output calls (``bitmask`` + ``advance``; the worker's apply is not
+    counted) per output token in
     the constrained runs, and ``mask_share`` their share of the run: a figure a
     busy machine disturbs less than a ratio of two runs.
     """
@@ -259,7 +260,7 @@ def bench_end_to_end(twins=("fast",), batch_sizes=(1, 64), model: str = "smollm2
 
 
 def _time_structured_calls(so) -> list[float]:
-    """Wrap the engine's ``mask_logits`` and ``advance`` (on this instance only) to add
+    """Wrap the engine's ``bitmask`` and ``advance`` (on this instance only) to add
     their wall time to the returned one-element list."""
     spent = [0.0]
 
@@ -272,7 +273,7 @@ def _time_structured_calls(so) -> list[float]:
                 spent[0] += time.perf_counter() - start
         return call
 
-    so.mask_logits, so.advance = timed(so.mask_logits), timed(so.advance)
+    so.bitmask, so.advance = timed(so.bitmask), timed(so.advance)
     return spent
 
 

@@ -146,6 +146,10 @@ class WorkerConfig:
             weight for the GEMM (``$MINIVLLM_PREPACK=0`` turns it off).
         timeout_s: how long a collective waits for a peer before failing.
         lora_config: the LoRA slots every rank keeps (``enable_lora``); None: no LoRA.
+        seed: the seed of the sampling worker's generator for unseeded requests.
+        speculative_config: speculative decoding's settings (the sampling worker
+            verifies and proposes the drafts); None: none.
+        logits_processors: custom logits-processor classes the sampling worker runs.
     """
 
     model: str
@@ -160,10 +164,19 @@ class WorkerConfig:
     prepack: bool = True
     timeout_s: float = 60.0
     lora_config: LoRAConfig | None = None
+    seed: int = 0
+    speculative_config: Any = None
+    logits_processors: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
         object.__setattr__(self, "pp_layer_partition", parse_partition(self.pp_layer_partition))
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """``k`` of speculative decoding (0 without it)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @property
     def num_ranks(self) -> int:
@@ -322,10 +335,6 @@ class EngineConfig:
                  "None or a list of LogitsProcessor classes or 'pkg.module:Class' paths")
         self.logits_processors = tuple(load_logits_processor(p) for p in procs or ())
         self.lora_config()  # max_loras, max_lora_rank, max_cpu_loras: ValueError names one
-        if self.enable_lora and self.speculative_config is not None:
-            raise ValueError("enable_lora does not run with speculative_config: the draft "
-                             "would propose for the base model, not the adapter (vLLM "
-                             "refuses the pair too); leave one out")
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA slots' settings, checked; None without ``enable_lora``."""
@@ -341,7 +350,9 @@ class EngineConfig:
             pp_layer_partition=self.pp_layer_partition, quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype, enforce_eager=self.enforce_eager,
             prepack=self.prepack,
-            timeout_s=float(self.distributed_timeout_s), lora_config=self.lora_config())
+            timeout_s=float(self.distributed_timeout_s), lora_config=self.lora_config(),
+            seed=self.seed, logits_processors=tuple(self.logits_processors),
+            speculative_config=self.speculative_config)
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,

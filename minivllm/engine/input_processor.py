@@ -42,21 +42,21 @@ class InputProcessor:
         vocab_size: the model's vocabulary size (token ids must be below it).
         max_model_len: the longest prompt + output.
         eos_token_id: the model's end-of-sequence id (None if it has none).
-        sampler: the engine's :class:`~minivllm.engine.sampling.StepSampler`
-            (it makes a seeded request's own generator).
+        logits_processors: the custom logits-processor classes (their
+            ``validate_params`` checks each request).
         generation: the model's generation config (its other EOS ids stop every
             request too); None: none.
         max_logprobs: the most ``logprobs`` a request may ask for (-1: no cap).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 eos_token_id: int | None, sampler: Any,
+                 eos_token_id: int | None, logits_processors: tuple = (),
                  generation: GenerationDefaults | None = None, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
-        self.sampler = sampler
+        self.logits_processors = tuple(logits_processors)
         self.generation = GenerationDefaults() if generation is None else generation
         self.max_logprobs = max_logprobs
 
@@ -127,8 +127,9 @@ class InputProcessor:
 
     def process(self, prompt: str | None, prompt_token_ids: list[int],
                 sampling_params: SamplingParams, request_id: str, lora_request: Any = None,
-                ) -> tuple[Request, RequestState, torch.Generator | None]:
-        """The checked request, its output state and its own generator (None without a seed).
+                ) -> tuple[Request, RequestState]:
+        """The checked request and its output state (the sampling worker makes a seeded
+        request's own generator; a seed torch refuses is a ``ValueError`` here).
 
         ``lora_request`` must have been checked (``LoRARequests.check``).
         """
@@ -144,14 +145,16 @@ class InputProcessor:
             sampling_params = dataclasses.replace(sampling_params)
             sampling_params._bad_words_token_ids = bad_words_token_ids(
                 self.tokenizer, sampling_params.bad_words, self.vocab_size)
-        self.sampler.shaper.validate(sampling_params)  # custom logits processors' rules
+        for cls in self.logits_processors:  # custom logits processors' rules
+            cls.validate_params(sampling_params)
+        if sampling_params.seed is not None:  # one torch refuses fails here, not in a step
+            torch.Generator().manual_seed(sampling_params.seed)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_id,
                           lora_request=lora_request)
-        generator = self.sampler.make_generator(request)
         detokenizer = IncrementalDetokenizer.from_request(self.tokenizer, request)
-        return request, RequestState(prompt, detokenizer, sampling_params), generator
+        return request, RequestState(prompt, detokenizer, sampling_params)
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:

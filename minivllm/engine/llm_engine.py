@@ -1,22 +1,29 @@
-"""``LLMEngine``: one engine step = schedule -> run the model -> sample -> outputs.
+"""``LLMEngine``: one engine step = schedule -> execute -> update, as vLLM v1's ``EngineCore``.
 
 The loop that ties every component together (:meth:`LLMEngine.step`)::
 
     so = scheduler.schedule()                        # who runs, how many tokens, new blocks
-    step_input = StepInput.from_scheduler_output(so) # the flat batch + block-table changes
+    step_input = StepInput.from_scheduler_output(so) # the flat batch + block-table changes,
+    step_input.sampling = planner.plan(so, ...)      # + what the worker must sample
     pending = executor.execute_model(step_input)     # every rank: update its block table,
-                                                     # build metadata, run the forward
-    logits = pending.result()                        # (num_sampled, vocab), on rank 0
-    structured.mask_logits(logits, reqs, drafts)     # constrained rows: -inf where forbidden
-    rows = sampler.sample(logits, reqs, drafts)      # logits processors, then one token each
-    finished = scheduler.update_from_output(so, ...) # append tokens, check stops, free blocks
-    structured.advance(rows, ...)                    # grammars accept; terminated: "stop"
-    outputs = output_processor.process(rows, ...)    # text, stop strings, RequestOutputs
-    speculator.propose(running)                      # drafts for the next step (if any)
+                                                     # build metadata, run the forward; the
+                                                     # sampling worker samples (grammar
+                                                     # bitmask, logits processors, sampler or
+                                                     # rejection sampler) and proposes drafts
+    output = pending.result()                        # ModelRunnerOutput: token ids, not logits
+    outputs = updater.update(so, ..., output)        # the scheduler appends them (stop rules,
+                                                     # free blocks) and takes the drafts;
+                                                     # grammars, forks, beams; detokenized
+                                                     # RequestOutputs
+
+The step names no feature: each lives in the scheduler (admission, forks,
+drafts), the worker (masks, sampling, verification, proposing: :mod:`.step_plan`
+says what to do) or the output side (:mod:`.step_update`: n > 1 merging, beam
+ranking, detokenizing).
 
 **One loop, any depth.** Up to ``executor.max_concurrent_batches`` scheduled steps may be in
 flight (vLLM v1's batch queue). With one, the step above runs top to bottom: schedule, send, and
-at once wait for its logits and finish it. With ``P`` pipeline stages, a step sends a new micro-
+at once wait for its tokens and finish it. With ``P`` pipeline stages, a step sends a new micro-
 batch while fewer than ``P`` are in flight (the scheduler leaves the requests in flight out:
 ``schedule(in_flight=...)``), and finishes the oldest one when the queue is full or nothing new
 could be sent, so every stage has work.
@@ -47,32 +54,31 @@ from minivllm.engine.config import (  # noqa: F401  (EngineConfig: re-exported, 
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.lora_requests import LoRARequests
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.sampling import StepSampler
 from minivllm.engine.sequence_groups import SequenceGroups
+from minivllm.engine.step_plan import PlannedStep, SamplingPlanner
+from minivllm.engine.step_update import StepUpdater
 from minivllm.engine.structured import StructuredOutputs
 from minivllm.executor.abstract import PendingStep
 from minivllm.executor.launcher import make_executor
-from minivllm.executor.ranks import simulates_all_ranks
 from minivllm.metadata import SchedulerOutput, StepInput
 from minivllm.model.generation_config import load_generation_defaults
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.profiler import op_range
-from minivllm.request import Request, RequestStatus
+from minivllm.request import RequestStatus
 from minivllm.sampling_params import BeamSearchParams, SamplingParams
 from minivllm.spec_decode.metadata import SpecStats
-from minivllm.spec_decode.proposer import Speculator, make_proposer, num_lookahead_tokens
+from minivllm.spec_decode.proposer import num_lookahead_tokens
 
 logger = logging.getLogger("minivllm")
 
 
 @dataclass(frozen=True)
 class _InFlight:
-    """One step sent to the executor, waiting for its logits."""
+    """One step sent to the executor, waiting for its tokens."""
 
     scheduler_output: SchedulerOutput
-    sampling_reqs: tuple[Request, ...]  # the requests it samples, in logits order
+    planned: PlannedStep  # what the sampling worker was told to do
     pending: PendingStep
-    prompt_rows: tuple[tuple[str, int, int, int], ...]  # StepInput.prompt_logprob_rows
 
 
 class LLMEngine:
@@ -84,9 +90,6 @@ class LLMEngine:
         # nothing below reads the process-global spec (see backend.Components).
         self.components = backend.Components.resolve(config.backend)
         spec = config.speculative_config
-        if spec is not None:
-            spec.check_placement(config.tensor_parallel_size,
-                                 simulates_all_ranks(self.components))
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         self.device, self.dtype = device, dtype
@@ -100,7 +103,7 @@ class LLMEngine:
                                    num_lookahead_tokens(spec))  # ValueError if one can't fit
         # The KV cache, the block table and the model runner live on every rank.
         self.executor.init_kv_cache(num_blocks, config.block_size, config.max_num_seqs,
-                                    cdiv(max_model_len, config.block_size))
+                                    cdiv(max_model_len, config.block_size), max_model_len)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
@@ -112,15 +115,11 @@ class LLMEngine:
                                         config.enable_prefix_caching)
         self.scheduler = self.components.scheduler.Scheduler(
             self.scheduler_config, self.cache_config, components=self.components)
-        self.sampler = StepSampler(self.components, self.vocab_size, device, config.seed,
-                                   0 if spec is None else spec.num_speculative_tokens,
-                                   config.logits_processors, config.max_num_seqs)
-        self.speculator = None if spec is None else Speculator(
-            spec, make_proposer(spec, self.components, self.executor), max_model_len)
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.generation = load_generation_defaults(config.generation_config, config.model)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
-                                              eos_token_id, self.sampler, self.generation,
+                                              eos_token_id, config.logits_processors,
+                                              self.generation,
                                               config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Constrained requests' grammars: compiled at add, masks before sampling.
@@ -128,9 +127,17 @@ class LLMEngine:
                                             self.vocab_size, self.eos_token_id,
                                             config.structured_outputs_compile_timeout_s)
         # Parallel sampling (n > 1) and beam search: requests that share blocks by fork.
-        self.groups = SequenceGroups(self.scheduler, self.sampler, self.output_processor,
+        self.groups = SequenceGroups(self.scheduler, self.output_processor,
                                      self.input_processor)
+        self.planner = SamplingPlanner(self.groups, self.structured)
+        if spec is not None and not hasattr(self.scheduler, "update_draft_token_ids"):
+            raise ValueError("speculative_config needs a scheduler with "
+                             f"update_draft_token_ids(); {type(self.scheduler).__module__} "
+                             "has none")
         self.lora = LoRARequests(config.lora_config(), self.executor)
+        self.updater = StepUpdater(self.scheduler, self.output_processor, self.planner,
+                                   self.groups, self.structured, self.lora, self.tokenizer,
+                                   self.executor.config.num_speculative_tokens)
         self._rows_to_rebuild: set[str] = set()  # forked, not scheduled since
         self._forks = hasattr(self.scheduler, "take_block_changes")  # a student's may not
         self.in_flight: deque[_InFlight] = deque()
@@ -175,14 +182,13 @@ class LLMEngine:
         if sampling_params.n > 1:
             return self._add_parallel(prompt, prompt_token_ids, sampling_params, request_id,
                                       lora_request, priority)
-        request, state, generator = self.input_processor.process(
+        request, state = self.input_processor.process(
             prompt, prompt_token_ids, sampling_params, request_id, lora_request)
         request.priority = priority  # before it is queued: a priority queue orders by it
         grammar = self.structured.compile(sampling_params)  # ValueError naming the field
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         # Nothing below can fail: the request is now in the engine, whole.
         self.lora.hold_if_needed(request, self.scheduler)  # its adapter needs a free slot
-        self.sampler.add_request(request, generator)
         self.output_processor.states[request_id] = state
         self.structured.add(request_id, grammar)
         return request_id
@@ -221,7 +227,7 @@ class LLMEngine:
             self.scheduler.add_request(first)
         except BaseException:
             for cid in self.groups.member_ids(request_id):
-                self._forget(cid)
+                self.updater.forget(cid)
             self.groups.forget(request_id)
             raise
         self.lora.hold_if_needed(first, self.scheduler)
@@ -244,12 +250,6 @@ class LLMEngine:
         request_id = self._new_id(request_id)
         self._check_group(params.beam_width, "beam_width")
         self.lora.check(lora_request)
-        if self.speculator is not None:
-            raise ValueError("beam search does not run with speculative_config: "
-                             "a beam ranks its candidates, it samples no drafts")
-        if self.executor.max_concurrent_batches > 1:
-            raise ValueError("beam search needs pipeline_parallel_size=1: a group's beams "
-                             "rank together, one step at a time")
         first = self.groups.add_beam_search(
             prompt_token_ids, params, request_id, self.eos_token_id, self.config.block_size,
             self.cache_config.num_blocks, lora_request)
@@ -275,25 +275,12 @@ class LLMEngine:
         if self.lora.held:
             self.lora.abort(set(members))
         for rid in members:
-            self._forget(rid)
-
-    def _forget(self, request_id: str) -> None:
-        self.output_processor.states.pop(request_id, None)
-        self.sampler.remove_request(request_id)
-        self.structured.forget(request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request_id)
-
-    def _fail(self, request: Request, error: Exception) -> RequestOutput:
-        """End ``request`` alone after a failure of its own (its blocks are freed)."""
-        output = self.output_processor.fail(request, error, self.scheduler)
-        self._forget(request.request_id)
-        return output
+            self.updater.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request waits, runs, or has a step in flight."""
         return (bool(self.in_flight) or self.scheduler.has_unfinished_requests()
-                or bool(self.lora.held))
+                or self.updater.has_held())
 
     # -- the step ---------------------------------------------------------------
 
@@ -314,8 +301,7 @@ class LLMEngine:
         spec_stats = SpecStats()
         so = None
         if len(self.in_flight) < self.executor.max_concurrent_batches:
-            if self.lora.held:  # requests whose adapter waited for a slot
-                self.lora.release(self.scheduler)
+            self.updater.before_schedule()
             with op_range("schedule"):
                 in_flight = {r.request_id for item in self.in_flight
                              for r in item.scheduler_output.scheduled}
@@ -324,15 +310,14 @@ class LLMEngine:
             # A step without tokens still carries block-table changes (aborts,
             # preemptions) that every worker's table must see before the next one.
             if not so.is_empty or so.removed_req_ids:
-                outputs += self._send(so)
-            elif self.groups and not self.in_flight and self.scheduler.waiting:
-                self.groups.break_stall()  # idle beams that wait for a member step aside
+                outputs += self._send(so)  # execute: the workers run it, and sample
+            else:
+                self.updater.when_idle(bool(self.in_flight))
         if self.in_flight and (len(self.in_flight) >= self.executor.max_concurrent_batches
                                or so is None or so.is_empty):
-            more, spec_stats = self._finish_oldest(step)
+            more, spec_stats = self._finish_oldest()  # update: the scheduler, the outputs
             outputs += more
-        if self.groups:  # the members' outputs become their groups' outputs
-            outputs = self.groups.merge_outputs(outputs)
+        outputs = self.updater.merge(outputs)  # a group's members: one output
         stats = StepStats.of(step, so, outputs, spec_stats, self.scheduler,
                              self.cache_config.num_blocks)
         return outputs, dataclasses.replace(stats, step_seconds=time.perf_counter() - start,
@@ -352,18 +337,17 @@ class LLMEngine:
                     r.check_tokens()
                 except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
                     failed.add(r.request_id)
-                    outputs.append(self._fail(live, e))
+                    outputs.append(self.updater.fail(live, e))
             rows, copies = self._block_changes(so)
             step_input = StepInput.from_scheduler_output(so, failed, rows, copies)
+            planned = self.planner.plan(so, step_input, failed, len(self.scheduler.running))
+            step_input = dataclasses.replace(step_input, sampling=planned.plan)
         sent = time.perf_counter()
         with op_range("forward"):
             pending = self.executor.execute_model(step_input)
         self._forward_s += time.perf_counter() - sent
         if step_input.num_tokens:  # else only block-table changes: nothing to sample
-            sampling = tuple(live for live, r in zip(so.scheduled_requests, so.scheduled)
-                             if r.samples and r.request_id not in failed)
-            self.in_flight.append(_InFlight(so, sampling, pending,
-                                            step_input.prompt_logprob_rows))
+            self.in_flight.append(_InFlight(so, planned, pending))
         return outputs
 
     def _block_changes(self, so: SchedulerOutput):
@@ -379,70 +363,25 @@ class LLMEngine:
         self._rows_to_rebuild.intersection_update(self.scheduler.requests)
         return rows, copies
 
-    def _finish_oldest(self, step: int) -> tuple[list[RequestOutput], SpecStats]:
-        """Wait for the oldest step's logits; sample, update the scheduler, build outputs.
+    def _finish_oldest(self) -> tuple[list[RequestOutput], SpecStats]:
+        """Wait for the oldest step's tokens, then :meth:`StepUpdater.update
+        <minivllm.engine.step_update.StepUpdater.update>`.
 
-        Isolation: a failure that belongs to one request (sampling it,
-        detokenizing it, matching its stop strings) ends that request alone
-        with ``finish_reason="error"``; its blocks are freed and the step goes
-        on for the others. Only the forward pass (every rank together) is
-        fatal: it raises out of the step, and nothing in flight comes back.
+        A failure that belongs to one request ends it alone (see there). Only
+        the forward pass (every rank together) is fatal: it raises out of the
+        step, and nothing in flight comes back.
         """
         item = self.in_flight[0]
         waited = time.perf_counter()
         try:
             with op_range("forward"):
-                logits = item.pending.result()
+                out = item.pending.result()
             self._forward_s += time.perf_counter() - waited
         except BaseException:
             self.in_flight.clear()  # the pipeline is broken: nothing in it will come back
             raise
         self.in_flight.popleft()
-        so, reqs = item.scheduler_output, list(item.sampling_reqs)
-        if item.prompt_rows:  # prompt positions' rows: prompt logprobs, then out of the batch
-            logits = self.output_processor.add_prompt_logprobs(
-                item.prompt_rows, logits, {r.request_id: r for r in so.scheduled_requests},
-                self.components.sampler.gather_logprobs)
-        drafts = [so.scheduled_spec_decode_tokens.get(r.request_id, ()) for r in reqs]
-        if self.groups:  # siblings sample from child 0's row; beams rank, not sample
-            reqs, logits, drafts = self.groups.with_siblings(reqs, logits, drafts)
-            reqs, logits, drafts = self.groups.take_beams(reqs, logits, drafts)
-        with op_range("sample"):
-            # Constrained rows: -inf where the grammar forbids (dead ends leave the batch).
-            logits, reqs, drafts, dead = self.structured.mask_logits(logits, reqs, drafts)
-            rows, failures, spec_stats = self.sampler.sample(logits, reqs, drafts)
-        outputs = [self._fail(req, e) for req, e in dead + failures]
-        if self.speculator is not None:  # each verification feeds the request's back-off
-            for req, tokens, _ in rows:
-                d = so.scheduled_spec_decode_tokens.get(req.request_id, ())
-                if d:
-                    self.speculator.record(req.request_id, len(tokens) - 1, len(d), step)
-        num_before = {r.request_id: r.num_output_tokens for r, _, _ in rows}
-        finished = self.scheduler.update_from_output(
-            so, {r.request_id: tokens for r, tokens, _ in rows})
-        finished_ids = {r.request_id for r in finished}
-        if self.groups:  # siblings sampled their first token: now they fork child 0
-            finished_ids |= self.groups.fork_siblings(rows)
-        # What the scheduler kept: a stop inside an accepted run drops the rest.
-        rows = [(r, r.output_token_ids[num_before[r.request_id]:], lp) for r, _, lp in rows]
-        # The grammars take the kept tokens; a terminated one finishes its request ("stop").
-        failed, stopped = self.structured.advance(rows, finished_ids, self.scheduler)
-        outputs += [self._fail(req, e) for req, e in failed]
-        finished_ids |= stopped
-        with op_range("detokenize"):
-            outputs += self.output_processor.process(rows, finished_ids, self.scheduler)
-        # Finished, stopped by a stop string, or failed while detokenizing: forgotten.
-        for rid in finished_ids | {o.request_id for o in outputs if o.finished}:
-            self._forget(rid)
-        if self.groups:  # a preempted beam takes its group along; full groups rank
-            self.groups.requeue_preempted(so.preempted_req_ids)
-            outputs += self.groups.step_beams(self.tokenizer)
-        if self.speculator is not None:
-            with op_range("propose"):
-                # Constrained requests get no drafts (speculation is off for them).
-                self.sampler.draft_probs = self.speculator.propose(
-                    self.structured.unconstrained(self.scheduler.running), step + 1)
-        return outputs, spec_stats
+        return self.updater.update(item.scheduler_output, item.planned, out)
 
     def shutdown(self) -> None:
         """Stop every rank the executor runs, if any."""

@@ -42,11 +42,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.step_sampling import PromptLogprobs
 
 logger = logging.getLogger("minivllm")
 
@@ -218,6 +217,7 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
             [None] if want_prompt else None
         self.prompt_logprobs_sent = False  # DELTA: they go out once, whole
+        self.num_prompt_logprobs = getattr(sampling_params, "prompt_logprobs", None)
         self.error: Exception | None = None  # a failure found outside _advance
 
 
@@ -316,49 +316,32 @@ class OutputProcessor:
             lora_request=req.lora_request,
         )
 
-    def add_prompt_logprobs(self, rows: tuple[tuple[str, int, int, int], ...],
-                            logits: torch.Tensor, requests: dict[str, Request],
-                            gather_logprobs: Any) -> torch.Tensor:
-        """Turn a step's prompt-position rows into prompt logprobs; return the other rows.
-
-        ``rows``: ``StepInput.prompt_logprob_rows``; ``logits``: the step's
-        ``(num_logits, vocab)`` logits; ``gather_logprobs``: the sampler
-        component's. Row ``i`` of a request's run scores prompt token
-        ``first_position + i + 1``, so a chunk's rows continue the last chunk's.
-        Rows a request already has (it was preempted and recomputes) are
-        skipped; a gap (positions read from the prefix cache) fails it alone.
+    def add_prompt_logprobs(self, prompt_logprobs: tuple[PromptLogprobs, ...]) -> None:
+        """Keep a step's prompt logprobs (the sampling worker's
+        :class:`~minivllm.step_sampling.PromptLogprobs`: row ``i`` of a run
+        scores prompt token ``first_position + i + 1``, so a chunk's rows
+        continue the last chunk's). Rows a request already has (it was
+        preempted and recomputes) are skipped; a gap (positions read from the
+        prefix cache) fails it alone.
         """
-        keep = torch.ones(logits.shape[0], dtype=torch.bool)
-        for rid, first_position, first_row, count in rows:
-            keep[first_row : first_row + count] = False
-            state, req = self.states.get(rid), requests.get(rid)
-            if state is None or req is None or state.prompt_logprobs is None:
+        for p in prompt_logprobs:
+            state = self.states.get(p.request_id)
+            if state is None or state.prompt_logprobs is None:
                 continue
+            have = len(state.prompt_logprobs)  # entries of prompt tokens 0 .. have - 1
+            if p.first_position + 1 > have:
+                state.error = ValueError(
+                    f"request {p.request_id!r}: prompt_logprobs need the logits of every "
+                    f"prompt position, but positions {have - 1}..{p.first_position - 1} were "
+                    f"not computed (read from the prefix cache despite "
+                    f"skip_reading_prefix_cache)")
+                continue
+            k = state.num_prompt_logprobs
             try:
-                self._prompt_logprobs(req, state, first_position,
-                                      logits[first_row : first_row + count], gather_logprobs)
+                for row in p.rows[have - 1 - p.first_position :]:
+                    state.prompt_logprobs.append(self._logprob_dict(k, *row))
             except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
                 state.error = e
-        return logits[keep.to(logits.device)]
-
-    def _prompt_logprobs(self, req: Request, state: RequestState, first_position: int,
-                         logits: torch.Tensor, gather_logprobs: Any) -> None:
-        have = len(state.prompt_logprobs)  # entries of prompt tokens 0 .. have - 1
-        if first_position + 1 > have:
-            raise ValueError(
-                f"request {req.request_id!r}: prompt_logprobs need the logits of every prompt "
-                f"position, but positions {have - 1}..{first_position - 1} were not computed "
-                f"(read from the prefix cache despite skip_reading_prefix_cache)")
-        logits = logits[have - 1 - first_position :]  # (new, vocab): rows not yet taken
-        if not len(logits):
-            return
-        targets = req.prompt_token_ids[have : have + len(logits)]
-        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)  # the raw distribution
-        k = req.sampling_params.prompt_logprobs
-        lp = gather_logprobs(raw, torch.tensor(targets, device=raw.device), k)
-        for row in zip(lp.logprob_token_ids.tolist(), lp.logprobs.tolist(),
-                       lp.selected_token_ranks.tolist()):
-            state.prompt_logprobs.append(self._logprob_dict(k, *row))
 
     def _logprob_dict(self, n: int | None, ids: list[int], vals: list[float],
                       rank: int) -> dict[int, Logprob]:

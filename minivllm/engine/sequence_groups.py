@@ -37,8 +37,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from minivllm.config import cdiv
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus, check_stop
@@ -116,15 +114,12 @@ class SequenceGroups:
 
     Args:
         scheduler: the engine's scheduler (forks, extensions, requeues go through it).
-        sampler: the engine's :class:`~minivllm.engine.sampling.StepSampler`.
         output_processor: the engine's output processor (the members' states).
         input_processor: builds the members' requests, states and generators.
     """
 
-    def __init__(self, scheduler: Any, sampler: Any, output_processor: Any,
-                 input_processor: Any) -> None:
+    def __init__(self, scheduler: Any, output_processor: Any, input_processor: Any) -> None:
         self.scheduler = scheduler
-        self.sampler = sampler
         self.output_processor = output_processor
         self.input_processor = input_processor
         self.parallel: dict[str, ParallelSampling] = {}  # by child id
@@ -153,14 +148,13 @@ class SequenceGroups:
             # seed + i, wrapped as torch wraps seeds (mod 2**64): one generator per child.
             seed = None if params.seed is None else (params.seed + i) % 2**64
             child_params = dataclasses.replace(params, n=1, seed=seed)
-            request, state, generator = self.input_processor.process(
+            request, state = self.input_processor.process(
                 prompt, prompt_token_ids, child_params, child_id(request_id, i), lora_request)
             children.append(request)
-            states.append((state, generator))
+            states.append(state)
         group = ParallelSampling(request_id, params.n, kind, children)
-        for request, (state, generator) in zip(children, states):
+        for request, state in zip(children, states):
             self.output_processor.states[request.request_id] = state
-            self.sampler.add_request(request, generator)
             self.parallel[request.request_id] = group
         return children[0]
 
@@ -203,24 +197,16 @@ class SequenceGroups:
 
     # -- the step ---------------------------------------------------------------------
 
-    def with_siblings(self, reqs: list[Request], logits: torch.Tensor,
-                      drafts: list[tuple[int, ...]]):
-        """Child 0 samples its first token this step: its siblings sample theirs from
-        the same logits row (appended at the end, one row each)."""
-        extra_reqs, extra_rows = [], []
-        start = 0
-        for req, d in zip(reqs, drafts):
+    def fan_out(self, reqs: list[Request]) -> list[tuple[Request, str]]:
+        """Child 0 samples its first token this step: its siblings sample theirs from the
+        same logits row. Returns ``(sibling, child 0's id)`` for each."""
+        out = []
+        for req in reqs:
             group = self.parallel.get(req.request_id)
             if group is not None and not group.forked and req is group.children[0]:
                 group.forked = True
-                for sibling in group.children[1:]:
-                    extra_reqs.append(sibling)
-                    extra_rows.append(start + len(d))
-            start += len(d) + 1
-        if not extra_reqs:
-            return reqs, logits, drafts
-        logits = torch.cat([logits, logits[extra_rows]])
-        return reqs + extra_reqs, logits, drafts + [()] * len(extra_reqs)
+                out += [(sibling, req.request_id) for sibling in group.children[1:]]
+        return out
 
     def fork_siblings(self, rows: list[tuple[Request, list[int], Any]]) -> set[str]:
         """After ``update_from_output``: the siblings sampled this step fork child 0's
@@ -246,29 +232,26 @@ class SequenceGroups:
                 self.scheduler.requeue((), new_requests=[request])
         return finished
 
-    def take_beams(self, reqs: list[Request], logits: torch.Tensor,
-                   drafts: list[tuple[int, ...]]):
-        """Beams are not sampled: each keeps its top ``2W`` log-probabilities for its
-        group's selection. Returns the other requests, their rows and drafts."""
-        keep, rows, start = [], [], 0
-        for i, (req, d) in enumerate(zip(reqs, drafts)):
+    def ranked(self, reqs: list[Request]) -> list[tuple[str, int, float]]:
+        """The beams among ``reqs``: ``(id, 2W, temperature)``; the sampling worker gives
+        each its top ``2W`` log-probabilities instead of a token."""
+        out = []
+        for req in reqs:
             search = self.beams.get(req.request_id)
-            if search is not None and req.status != RequestStatus.RUNNING:
-                pass  # requeued since this step was scheduled: it recomputes, then ranks
-            elif search is None:
-                keep.append(i)
-                rows += range(start, start + len(d) + 1)
-            else:
-                row = logits[start].float()
-                t = search.params.temperature
-                logprobs = torch.log_softmax(row / t if t > 0 else row, dim=-1)
-                k = min(2 * search.params.beam_width, logprobs.numel())
-                values, ids = torch.topk(logprobs, k)
-                search.candidates[req.request_id] = (values.tolist(), ids.tolist())
-            start += len(d) + 1
-        if len(keep) == len(reqs):
-            return reqs, logits, drafts
-        return [reqs[i] for i in keep], logits[rows], [drafts[i] for i in keep]
+            if search is not None:
+                out.append((req.request_id, 2 * search.params.beam_width,
+                            search.params.temperature))
+        return out
+
+    def take_ranked(self, ranked: dict[str, tuple[list[float], list[int]]]) -> None:
+        """Each beam keeps its candidates for its group's selection (a beam requeued since
+        its step was scheduled recomputes, then ranks)."""
+        for rid, candidates in ranked.items():
+            search = self.beams.get(rid)
+            if search is not None and search.beams and any(
+                    b.request.request_id == rid and b.request.status == RequestStatus.RUNNING
+                    for b in search.beams):
+                search.candidates[rid] = candidates
 
     def requeue_preempted(self, preempted_req_ids) -> None:
         """A beam the scheduler preempted takes its group with it: every running beam

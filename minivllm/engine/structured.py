@@ -12,11 +12,14 @@ bitmask per request; this module is where the engine's step calls it:
    compiling is capped in time (``structured_outputs_compile_timeout_s``).
    The server compiles on a thread of its own first (:meth:`validate`), so the
    engine thread's compile is a cache hit and a slow schema stalls no stream.
-2. **Before sampling** (:meth:`mask_logits`): for the constrained rows only,
-   ``fill_bitmask`` then ``apply_token_bitmask_inplace``. A batch without a
-   constrained request does no bitmask work at all; unconstrained rows of a
-   mixed batch are not touched. A request whose row allows no token (a dead
-   end) is taken out of the batch and ends alone with ``finish_reason="error"``.
+2. **When a step is sent** (:meth:`bitmask`): for the constrained rows only,
+   ``fill_bitmask``; the bitmask travels in the step's
+   :class:`~minivllm.step_sampling.SamplingPlan`, and the sampling worker
+   applies it (``apply_token_bitmask_inplace``) before its sampler. A batch
+   without a constrained request does no bitmask work at all; unconstrained
+   rows of a mixed batch are not touched. A request whose row allows no token
+   (a dead end) is left out of the sampling and ends alone with
+   ``finish_reason="error"``.
 3. **After the scheduler kept the step's tokens** (:meth:`advance`):
    ``accept_tokens``; a grammar that ``is_terminated()`` (EOS accepted, or the
    text is complete and only EOS could follow) finishes its request with
@@ -26,8 +29,8 @@ bitmask per request; this module is where the engine's step calls it:
 The grammars live here, by request id, for the whole life of the request:
 a preempted request keeps its grammar (its accepted tokens are unchanged)
 and resumes in the right state when it is recomputed. Masks are built on the
-host where the logits are sampled (rank 0), so tensor and pipeline
-parallelism send nothing more to the workers.
+engine's host, where the grammars are, and only the packed bitmask (``V / 32``
+int32 a constrained row) goes to the sampling worker.
 """
 
 from __future__ import annotations
@@ -121,52 +124,45 @@ class StructuredOutputs:
         """Drop a finished or aborted request's grammar."""
         self.grammars.pop(request_id, None)
 
-    def unconstrained(self, requests: list[Request]) -> list[Request]:
-        """``requests`` without the constrained ones: they get no speculative drafts."""
+    def constrained(self, requests: list[Request]) -> list[str]:
+        """The ids of the constrained requests among ``requests`` (they get no drafts)."""
         if not self.grammars:
-            return requests
-        return [r for r in requests if r.request_id not in self.grammars]
+            return []
+        return [r.request_id for r in requests if r.request_id in self.grammars]
 
     # -- the step -------------------------------------------------------------------------
 
-    def mask_logits(self, logits: torch.Tensor, reqs: list[Request],
-                    drafts: list[tuple[int, ...]]):
-        """Mask the constrained rows of ``logits`` (B, V) in place, before sampling.
+    def bitmask(self, reqs: list[Request]) -> tuple[torch.Tensor | None, tuple[str, ...],
+                                                      list[tuple[Request, Exception]]]:
+        """The step's grammar bitmask for the constrained requests among ``reqs``.
 
-        ``reqs[i]`` owns ``1 + len(drafts[i])`` rows (constrained requests have
-        no drafts). Returns ``(logits, reqs, drafts, dead)``: the batch without
-        the requests whose row allows no token, and those ``(request, error)``.
+        Returns ``(bitmask, ids, dead)``: a ``(len(ids), W)`` int32 copy (the
+        sampling worker applies row ``i`` to request ``ids[i]``'s row), or None
+        when no request is constrained, and the requests whose row allows no
+        token (dead ends: they are not sampled and end alone).
         """
         if not self.grammars:
-            return logits, reqs, drafts, []
-        rows, start = [], 0
-        for req, d in zip(reqs, drafts):
-            grammar = self.grammars.get(req.request_id)
-            if grammar is not None:
-                rows.append((start, req, grammar))
-            start += len(d) + 1
+            return None, (), []
+        rows = [(req, self.grammars[req.request_id]) for req in reqs
+                if req.request_id in self.grammars]
         if not rows:
-            return logits, reqs, drafts, []
-        bitmask = self._bitmask_rows(logits.shape[0])  # (B, W) int32
+            return None, (), []
+        bitmask = self._bitmask_rows(len(rows))  # (R, W) int32, reused
         filled, dead = [], []
-        for row, req, grammar in rows:
+        for req, grammar in rows:
             try:
-                grammar.fill_bitmask(bitmask, row)
+                grammar.fill_bitmask(bitmask, len(filled))
             except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
                 dead.append((req, e))
                 continue
-            filled.append((row, req))
+            filled.append((len(filled), req))
         dead += self._dead_ends(bitmask, filled)
-        if dead:
-            gone = {id(r) for r, _ in dead}
-            filled = [(row, r) for row, r in filled if id(r) not in gone]
-        if filled:
-            indices = torch.tensor([row for row, _ in filled], device=logits.device)
-            with torch.inference_mode():  # the logits were made in inference mode
-                self.impl.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices)
-        if dead:
-            logits, reqs, drafts = _without(logits, reqs, drafts, {id(r) for r, _ in dead})
-        return logits, reqs, drafts, dead
+        gone = {id(r) for r, _ in dead}
+        keep = [row for row, r in filled if id(r) not in gone]
+        if not keep:
+            return None, (), dead
+        ids = tuple(r.request_id for row, r in filled if id(r) not in gone)
+        return bitmask[keep].clone(), ids, dead
 
     def advance(self, rows: list[tuple[Request, list[int], Any]], finished: set[str],
                 scheduler: Any) -> tuple[list[tuple[Request, Exception]], set[str]]:
@@ -251,15 +247,3 @@ class StructuredOutputs:
                 f"the constraint allows no token here{why}")))
         return dead
 
-
-def _without(logits: torch.Tensor, reqs: list[Request], drafts: list[tuple[int, ...]],
-             drop: set[int]):
-    """The batch without the requests whose ``id()`` is in ``drop`` (their rows removed)."""
-    keep_rows, keep_reqs, keep_drafts, start = [], [], [], 0
-    for req, d in zip(reqs, drafts):
-        if id(req) not in drop:
-            keep_rows += range(start, start + len(d) + 1)
-            keep_reqs.append(req)
-            keep_drafts.append(d)
-        start += len(d) + 1
-    return logits[keep_rows], keep_reqs, keep_drafts

@@ -31,30 +31,29 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-import torch
-
 from minivllm.engine.config import WorkerConfig
 from minivllm.metadata import StepInput
 from minivllm.pp_stages import IntermediateTensors, StageTiming
+from minivllm.step_sampling import ModelRunnerOutput
 from minivllm.worker.worker import Worker
 
 
 class PendingStep:
-    """A step sent to the workers; :meth:`result` waits for its logits.
+    """A step sent to the workers; :meth:`result` waits for its output.
 
     With pipeline parallelism a step returns once stage 0 has run, and its
-    logits come back later; results come back in the order the steps were
+    output comes back later; results come back in the order the steps were
     sent (waiting for a later step collects the earlier ones first). A step
     that is already done holds its ``value``.
     """
 
-    def __init__(self, executor: Any = None, num_rows: int = 0, value: Any = None,
-                 done: bool = False) -> None:
-        self.executor, self.num_rows = executor, num_rows
+    def __init__(self, executor: Any = None, value: Any = None, done: bool = False) -> None:
+        self.executor = executor
         self.value, self.done = value, done
 
-    def result(self) -> torch.Tensor | None:
-        """The step's ``(num_sampled, vocab)`` float32 logits (None for a step without tokens)."""
+    def result(self) -> ModelRunnerOutput | None:
+        """The step's :class:`~minivllm.step_sampling.ModelRunnerOutput`: its tokens (its
+        raw logits for a step without a plan); None for a step without tokens."""
         while not self.done:
             self.executor.collect_oldest()
         return self.value
@@ -99,19 +98,23 @@ class Executor(abc.ABC):
         """
 
     def execute_model(self, step_input: StepInput) -> PendingStep:
-        """Send one step to every rank; its logits come back through the :class:`PendingStep`.
+        """Send one step to every rank; its tokens come back through the :class:`PendingStep`.
 
-        Every rank updates its block table and runs its layers
+        Every rank updates its block table and runs its layers, and the
+        sampling worker samples
         (:meth:`~minivllm.worker.worker.Worker.execute_model`). At most
         :attr:`max_concurrent_batches` steps may be pending at once.
         """
         outs = self.collective_rpc("execute_model", (step_input,), reply=False)
         if isinstance(outs[-1], IntermediateTensors):  # the last stage is another process
-            return self.logits_later(step_input.logits_indices.numel())
-        return PendingStep(value=outs[-1], done=True)
+            return self.output_later()
+        if step_input.num_tokens == 0:
+            return PendingStep(value=None, done=True)
+        return PendingStep(value=next(o for o in outs if isinstance(o, ModelRunnerOutput)),
+                           done=True)
 
-    def logits_later(self, num_rows: int) -> PendingStep:
-        """A step whose ``num_rows`` logits a later stage in another process sends back."""
+    def output_later(self) -> PendingStep:
+        """A step whose output a later stage in another process sends back."""
         raise NotImplementedError(f"{type(self).__name__} runs every stage in this process")
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -119,11 +122,12 @@ class Executor(abc.ABC):
         return max(self.collective_rpc("bytes_per_block", (block_size,)))
 
     def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
-                      max_num_blocks_per_req: int | None = None) -> None:
+                      max_num_blocks_per_req: int | None = None,
+                      max_model_len: int | None = None) -> None:
         """Allocate every rank's KV cache (its own layers and KV heads) and block
-        table, and build its model runner."""
-        self.collective_rpc("init_kv_cache",
-                            (num_blocks, block_size, max_num_reqs, max_num_blocks_per_req))
+        table, and build its model runner (and the sampling worker's sampler)."""
+        self.collective_rpc("init_kv_cache", (num_blocks, block_size, max_num_reqs,
+                                              max_num_blocks_per_req, max_model_len))
 
     def add_lora(self, lora_request: Any) -> None:
         """Load a LoRA adapter on every rank (each its shards); ``ValueError`` if it is bad."""

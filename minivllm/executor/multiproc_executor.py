@@ -12,10 +12,12 @@ every stage forwards it to the next (:mod:`minivllm.executor.stage_link`), and
 every rank calls that method of its worker. Each step is the call
 ``execute_model`` with the :class:`~minivllm.metadata.StepInput` (the batch
 and the block-table changes): every rank updates its own block table and
-runs its layers; the logits come back on rank 0 only.
+runs its layers; the last stage's tp rank 0 samples, and only the step's
+token ids come back to rank 0 (a
+:class:`~minivllm.step_sampling.ModelRunnerOutput`).
 
 With pipeline parallelism (``pp_size > 1``) a step does not wait for its
-logits: :meth:`~minivllm.executor.abstract.Executor.execute_model` runs stage 0's layers, sends
+tokens: :meth:`~minivllm.executor.abstract.Executor.execute_model` runs stage 0's layers, sends
 the intermediate tensors on and returns a
 :class:`~minivllm.executor.abstract.PendingStep`, so the engine can start the
 next micro-batch while later stages work (``max_concurrent_batches =
@@ -107,7 +109,7 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._failure: str | None = None
         self._old_threads = torch.get_num_threads()
-        self._pending: list[PendingStep] = []  # micro-batches sent, logits not yet back
+        self._pending: list[PendingStep] = []  # micro-batches sent, tokens not yet back
         # atexit holds only a weak reference, so that dropping the executor runs __del__.
         self._atexit = functools.partial(_shutdown_if_alive, weakref.ref(self))
         atexit.register(self._atexit)
@@ -164,7 +166,7 @@ class MultiprocExecutor(Executor):
         """Send the call to every rank, make it on rank 0, and (``reply``) gather the results.
 
         A call with replies first collects the micro-batches still in flight
-        (the last stage's logits travel on the same group). A method that
+        (the last stage's outputs travel on the same group). A method that
         raises on any rank raises here, rank 0's own error first, and the
         ranks stay in step. A step (``reply=False``) that raises on rank 0
         may have left the ranks' block tables apart, so every later call is
@@ -203,18 +205,16 @@ class MultiprocExecutor(Executor):
         self._failure = self.ranks.explain(error)  # most often: a rank died mid-step
         raise RuntimeError(self._failure) from _without_frames(error)
 
-    def logits_later(self, num_rows: int) -> PendingStep:
-        """Stage 0 has run and sent its output on: the logits come back later, in order."""
-        pending = PendingStep(self, num_rows=num_rows)
+    def output_later(self) -> PendingStep:
+        """Stage 0 has run and sent its output on: the tokens come back later, in order."""
+        pending = PendingStep(self)
         self._pending.append(pending)
         return pending
 
     def collect_oldest(self) -> None:
-        """Receive the logits of the oldest micro-batch in flight (they arrive in order)."""
+        """Receive the output of the oldest micro-batch in flight (they arrive in order)."""
         pending = self._pending[0]
-        vocab = self.hf_config.vocab_size
-        pending.value = self._run(
-            lambda: self.link.recv_logits(pending.num_rows, vocab, self.device))
+        pending.value = self._run(self.link.recv_output)
         pending.done = True
         self._pending.pop(0)
 

@@ -13,9 +13,9 @@ stage:
   ``hidden_states`` and ``residual`` (:class:`~minivllm.pp_stages.IntermediateTensors`,
   each ``(T, hidden)``, full on every tensor-parallel rank), runs its layers
   and sends its own on;
-- the last stage's ``tp_rank`` 0 sends the logits back to rank 0: first a
-  one-element "done" tensor (the number of rows), then the
-  ``(num_sampled, vocab)`` float32 logits if there are any.
+- the last stage's ``tp_rank`` 0 samples, and sends the step's token ids back
+  to rank 0 (a pickled :class:`~minivllm.step_sampling.ModelRunnerOutput`: its
+  size, then its bytes), never rows of logits.
 
 Each link is FIFO, and every rank handles the steps in the order rank 0
 sent them, so a later micro-batch never overtakes an earlier one anywhere;
@@ -30,6 +30,9 @@ tensors on the world device group (gloo on a CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
+
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,27 +124,22 @@ class StageLink:
         self._isend((tensors.hidden_states.contiguous(), tensors.residual.contiguous()),
                     self.next, None)
 
-    def send_logits(self, logits: torch.Tensor | None, num_rows: int) -> None:
-        """The last stage's tp rank 0: "done" (``num_rows``), then the logits if any."""
+    def send_output(self, output: Any) -> None:
+        """The last stage's tp rank 0: the step's pickled
+        :class:`~minivllm.step_sampling.ModelRunnerOutput` (its size, then its bytes)."""
         if self.tp_rank != 0:
             return
-        done = torch.tensor([num_rows], dtype=torch.int64)
-        self._isend((done,), 0, distributed.get_world_cpu_group())
-        if num_rows:
-            self._isend((logits.contiguous(),), 0, None)
+        data = torch.frombuffer(bytearray(pickle.dumps(output)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        self._isend((size, data), 0, distributed.get_world_cpu_group())
 
-    def recv_logits(self, num_rows: int, vocab_size: int,
-                    device: torch.device) -> torch.Tensor:
-        """Rank 0: wait for one micro-batch's logits from the last stage."""
-        done = torch.empty(1, dtype=torch.int64)
-        dist.recv(done, src=self.last_rank0, group=distributed.get_world_cpu_group())
-        if int(done) != num_rows:
-            raise RuntimeError(f"pipeline out of step: expected {num_rows} rows of logits, "
-                               f"the last stage sent {int(done)}")
-        logits = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=device)
-        if num_rows:
-            dist.recv(logits, src=self.last_rank0)
-        return logits
+    def recv_output(self) -> Any:
+        """Rank 0: wait for one micro-batch's output from the last stage (in order)."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=self.last_rank0, group=distributed.get_world_cpu_group())
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, src=self.last_rank0, group=distributed.get_world_cpu_group())
+        return pickle.loads(data.numpy().tobytes())
 
     # -- sends in flight -----------------------------------------------------------
 

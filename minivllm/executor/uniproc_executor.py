@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from minivllm import backend
 from minivllm.engine.config import WorkerConfig
 from minivllm.executor.abstract import Executor
@@ -47,8 +45,8 @@ class SimulatedStageLink:
         """This stage's output, for the next one."""
         self._slot.append(tensors)
 
-    def send_logits(self, logits: torch.Tensor | None, num_rows: int) -> None:
-        """Nothing to send: the last stage's return value is the logits."""
+    def send_output(self, output: object) -> None:
+        """Nothing to send: the last stage's return value is the step's output."""
 
     def wait_sends(self) -> None:
         """Nothing in flight."""

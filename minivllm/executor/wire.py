@@ -24,6 +24,7 @@ block copies)::
     | query_lens (S) | seq_lens (S) | is_new (S) | num_new_blocks (S)
     | new block ids (B, request by request)
     | id byte lengths (S + R) | id bytes (scheduled ids, then removed ids)
+    | the pickled SamplingPlan, 8 bytes an int64 (none: 0 words) | its byte count
 """
 
 from __future__ import annotations
@@ -91,8 +92,12 @@ def pack_step_input(step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
         *(len(e) for e in encoded),
         *id_bytes,  # iterating over bytes gives ints in [0, 256)
     ]
+    plan = b"" if step.sampling is None else pickle.dumps(step.sampling)
+    words = torch.frombuffer(bytearray(plan + bytes(-len(plan) % 8)) or bytearray(8),
+                             dtype=torch.int64)[: (len(plan) + 7) // 8]
     payload = torch.cat([step.input_ids, step.positions, step.logits_indices,
-                         torch.tensor(host, dtype=torch.int64)])
+                         torch.tensor(host, dtype=torch.int64), words,
+                         torch.tensor([len(plan)], dtype=torch.int64)])
     num_blocks = sum(len(b) for b in step.new_block_ids)
     header = torch.tensor([STEP_TAG, step.input_ids.numel(), step.logits_indices.numel(),
                            len(step.req_ids), len(step.removed_req_ids), num_blocks,
@@ -105,6 +110,11 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
     tag, T, L, S, R, B, nbytes, _ = header.tolist()
     if tag != STEP_TAG:
         raise ValueError(f"not a step message: header starts with {tag:#x}, not {STEP_TAG:#x}")
+    plan_bytes = int(payload[-1])
+    num_words = (plan_bytes + 7) // 8
+    plan = None if not plan_bytes else pickle.loads(
+        payload[-1 - num_words : -1].numpy().tobytes()[:plan_bytes])
+    payload = payload[: -1 - num_words]
     input_ids, positions, logits_indices, host = payload.split([T, T, L, payload.numel() - 2 * T - L])
     host = host.tolist()  # the payload is on the CPU: these host copies are free
     num_copies = host[0]
@@ -141,4 +151,5 @@ def unpack_step_input(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
         logits_indices=logits_indices.clone(),
         blocks_to_copy=copies,
         lora_ids=lora_ids,
+        sampling=plan,
     )

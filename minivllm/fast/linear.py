@@ -402,11 +402,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(_Prepacked, VocabParallelEmbedding):
-    """Vocabulary logits; this rank computes its ``V_r`` columns, gathered to rank 0.
+    """Vocabulary logits; this rank computes its ``V_r`` columns, all-gathered.
 
-    ``forward``: ``(T, dim) -> (T, vocab)`` on rank 0 (padding cut off), None
-    on the other ranks. Tying ``lm_head.weight = embed_tokens.weight`` works:
-    both hold the same rows.
+    ``forward``: ``(T, dim) -> (T, vocab)`` on every rank (padding cut off), as
+    vLLM v1 gathers them: every rank of the last stage samples alike, so a
+    draft model's forward runs on all of them together. Tying
+    ``lm_head.weight = embed_tokens.weight`` works: both hold the same rows.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
@@ -427,9 +428,7 @@ class ParallelLMHead(_Prepacked, VocabParallelEmbedding):
             return
         super().weight_loader(param, loaded_weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (T, dim) -> (T, vocab)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, dim) -> (T, vocab)
         logits = linear(hidden, self.weight, self.bias, packed=self.packed_weight)  # (T, V_r)
-        logits = distributed.tensor_model_parallel_gather(logits, dst=0, dim=-1)
-        if logits is None:  # not rank 0
-            return None
+        logits = distributed.tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]  # (T, vocab): drop the padding columns

@@ -401,12 +401,11 @@ class LlamaForCausalLM(nn.Module):
         view.lm_head = self.lm_head
         return view
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (N, hidden) -> (N, V)
-        """Project hidden states (usually each sequence's last token) to float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, V)
+        """Project hidden states (usually each sequence's last token) to float32 logits
+        (with tensor parallelism, all-gathered: every rank has them)."""
         with op_range("op.lm_head"):
             logits = self.lm_head(hidden)
-        if logits is None:  # tensor parallel: only rank 0 receives the gathered logits
-            return None
         return logits[..., : self.config.vocab_size].float()  # drop any TP vocab padding
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -104,20 +104,6 @@ class SpeculativeConfig:
                f"an int >= prompt_lookup_min={lo}")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
-    def check_placement(self, tensor_parallel_size: int, simulated_ranks: bool) -> None:
-        """Refuse a draft model where its forward cannot run (before anything is loaded).
-
-        A draft model runs beside the target in the process that holds the
-        whole model. With one process per tensor-parallel rank it would run on
-        rank 0 alone, and its collectives would wait forever for the others;
-        the ref's simulated ranks hold every rank in one process, so they can.
-        """
-        if self.method == "draft_model" and tensor_parallel_size > 1 and not simulated_ranks:
-            raise ValueError(
-                "speculative_config.method 'draft_model' needs the whole model in one "
-                f"process; tensor_parallel_size={tensor_parallel_size} runs one process per "
-                "rank (use method 'ngram', or tensor_parallel_size=1)")
-
     @property
     def is_self_speculation(self) -> bool:
         """The draft is the target's own first layers (no separate model)."""

@@ -24,9 +24,10 @@ Two kinds of draft model (``SpeculativeConfig.method == "draft_model"``):
   remembers how many positions of each request it has computed; a position
   holds valid draft K/V if the draft computed it and the token there was
   accepted, and the first draft step of a round computes everything after
-  that (the whole prompt the first time). A preemption (the request's
-  ``num_preemptions`` changes) moves the request to new blocks and voids
-  what the draft had; finished requests are forgotten.
+  that (the whole prompt the first time). A preemption (the worker drops the
+  request's block-table row) moves the request to new blocks and voids what
+  the draft had (:meth:`DraftModelProposer.invalidate`); finished requests are
+  forgotten.
 
 Drafts are sampled from ``q = softmax(filter(draft_logits))``: the request's
 temperature, min-p, top-k and top-p, through the engine's sampler component;
@@ -108,9 +109,9 @@ class DraftModelProposer:
             model, kv_caches, block_size=block_tables.block_size, enforce_eager=enforce_eager)
         self.generator = torch.Generator(device=self.device).manual_seed(draft_seed(seed))
         self.seeded_generators: dict[str, torch.Generator] = {}
-        # A separate draft: request id -> (the request, its preemption count, the
-        # positions with valid draft K/V). A preemption moves the request to new blocks.
-        self.num_cached: dict[str, tuple[Request, int, int]] = {}
+        # A separate draft: request id -> the positions with valid draft K/V. A
+        # preemption or a fork rebuilds the request's row: then none (invalidate).
+        self.num_cached: dict[str, int] = {}
 
     @classmethod
     def self_speculation(cls, worker, num_draft_layers: int | None,
@@ -134,6 +135,7 @@ class DraftModelProposer:
         from minivllm.model.loader import load_model
 
         draft, config, _ = load_model(model, dtype=worker.dtype, device=worker.device,
+                                      tp_size=worker.config.tensor_parallel_size,
                                       components=worker.components)
         vocab = worker.model.config.vocab_size
         if config.vocab_size != vocab:
@@ -157,13 +159,22 @@ class DraftModelProposer:
 
         Every token but the last (just sampled) is in the target's cache; the
         draft's own cache holds what it computed and was accepted since (a
-        preemption, which moves the request to new blocks, voids it).
+        preemption, which moves the request to new blocks, voids it: :meth:`invalidate`).
         """
         n = request.num_tokens - 1
         if self.shares_target_cache:
             return n
-        _, preemptions, cached = self.num_cached.get(request.request_id, (None, -1, 0))
-        return min(cached, n) if preemptions == request.num_preemptions else 0
+        return min(self.num_cached.get(request.request_id, 0), n)
+
+    def invalidate(self, request_id: str) -> None:
+        """The request's block-table row was dropped (preempted, or rebuilt by a fork):
+        what a separate draft cached for it is gone."""
+        self.num_cached.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: its cache record and its generator go."""
+        self.num_cached.pop(request_id, None)
+        self.seeded_generators.pop(request_id, None)
 
     def drafts_that_fit(self, request: Request, k: int) -> int:
         """``k`` capped so that every position the draft writes has a slot.
@@ -214,15 +225,12 @@ class DraftModelProposer:
         return _proposal(drafts, probs, self.vocab_size, self.device)
 
     def _remember(self, requests: Sequence[Request], ks: Sequence[int]) -> None:
-        """A separate draft: record what its cache now holds; forget finished requests."""
+        """A separate draft: record what its cache now holds."""
         if self.shares_target_cache:
             return
         for r, k in zip(requests, ks):
             if k:  # it computed positions up to num_tokens - 1 + k - 1
-                self.num_cached[r.request_id] = (r, r.num_preemptions, r.num_tokens - 1 + k)
-        for req_id in [i for i, (r, _, _) in self.num_cached.items() if r.is_finished()]:
-            del self.num_cached[req_id]
-            self.seeded_generators.pop(req_id, None)
+                self.num_cached[r.request_id] = r.num_tokens - 1 + k
 
     def _forward(self, requests: Sequence[Request],
                  chunks: list[tuple[int, list[int]]]) -> torch.Tensor:  # (len(requests), V)
@@ -255,17 +263,14 @@ class DraftModelProposer:
 def make_draft_proposer(config, worker, seed: int = 0) -> DraftModelProposer:
     """The proposer of ``speculative_config`` method ``draft_model`` beside ``worker``.
 
-    The draft runs beside the target, in the process that holds its whole
-    model and KV cache: the executor's
-    :meth:`~minivllm.executor.abstract.Executor.whole_model_worker` (one rank,
-    or the ref's simulated ranks). ``ValueError`` when there is none (one
-    process per rank: the draft's forward would run on rank 0 alone, its
-    collectives waiting forever for the others).
+    The draft runs beside the target, in the sampling worker, when it holds
+    every layer (its tensor-parallel shards: each rank of the last stage
+    samples alike and runs the draft's forward with the others).
+    ``ValueError`` when it does not (pipeline stages).
     """
     if worker is None:
-        raise ValueError("speculative_config.method 'draft_model' needs the whole model in "
-                         "this process (tensor_parallel_size=1, or the ref's simulated ranks); "
-                         "with one process per rank use method 'ngram'")
+        raise ValueError("speculative_config.method 'draft_model' needs every layer on the "
+                         "sampling worker; with pipeline stages use method 'ngram'")
     if config.model is None:
         return DraftModelProposer.self_speculation(worker, config.num_draft_layers, seed)
     return DraftModelProposer.separate(worker, config.model, config.num_draft_layers, seed)

@@ -57,6 +57,22 @@ class SpecStats:
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
+def count_verified(drafts: Sequence[tuple[int, ...]], tokens: Sequence[list[int]], k: int) -> SpecStats:
+    """This step's verification counts (vLLM's ``SpecDecodingStats``), ``k`` positions."""
+    per_pos = [0] * k
+    num_drafts = num_draft_tokens = num_accepted = 0
+    for d, t in zip(drafts, tokens):
+        if not d:
+            continue
+        accepted = len(t) - 1
+        num_drafts += 1
+        num_draft_tokens += len(d)
+        num_accepted += accepted
+        for j in range(accepted):
+            per_pos[j] += 1
+    return SpecStats(num_drafts, num_draft_tokens, num_accepted, tuple(per_pos))
+
+
 @dataclass(frozen=True)
 class SpecDecodeMetadata:
     """One step's draft tokens, on the device and on the host.

@@ -1,14 +1,16 @@
 """The proposer interface: who guesses the drafts, and the n-gram proposer behind it.
 
-Speculative decoding calls a proposer once per engine step, **after** the
-step's tokens are appended (``Scheduler.update_from_output``) and before the
-next :meth:`~minivllm.ref.scheduler.Scheduler.schedule`::
+Speculative decoding calls a proposer once per step, in the sampling worker,
+**after** the step's tokens are sampled (and appended to the worker's copy of
+each request), before the engine schedules the next step::
 
     drafts, draft_probs = proposer.propose(requests, max_num_drafts)
 
-- ``requests``: the running requests that just emitted tokens and may be
-  speculated (every token but the last sampled one computed; not in prefill,
-  not resumed from a preemption, not backed off: :mod:`.step` decides);
+- ``requests``: the requests that just emitted tokens and may be speculated
+  (every token but the last sampled one computed, not constrained, not backed
+  off: :class:`Speculator` decides). They are the worker's
+  :class:`~minivllm.worker.sampling.CachedRequestState`: ``request_id``,
+  ``all_token_ids``, ``num_tokens``, ``sampling_params``;
 - ``max_num_drafts[i]``: the most drafts request ``i`` may get (``k``, capped
   by ``max_model_len``, the tokens left to ``max_tokens`` and ``min_tokens``);
 - returns ``drafts[i]`` (a list of at most ``max_num_drafts[i]`` token ids,
@@ -18,14 +20,15 @@ next :meth:`~minivllm.ref.scheduler.Scheduler.schedule`::
   ``drafts[i][j]`` was sampled from (the layout
   :func:`~minivllm.ref.rejection_sampler.rejection_sample` takes).
 
-The engine stores each request's drafts on ``request.spec_token_ids``; the
-scheduler verifies them in the next step as ``1 + d`` query tokens. It may
+The drafts go back to the engine with the step's tokens, and the scheduler
+takes them (``Scheduler.update_draft_token_ids`` sets ``request.spec_token_ids``);
+it verifies them in the next step as ``1 + d`` query tokens. It may
 schedule fewer drafts than proposed (the token budget), then only the first
 rows of ``draft_probs`` are used.
 
 **A draft model** (or self-speculation: the target's first ``L`` layers plus its
 norm and lm_head) implements the same protocol. It needs the worker's model
-and KV cache: build it with the engine's executor (``make_proposer``). When it
+and KV cache: the sampling worker builds it beside itself (``make_proposer``). When it
 runs, request ``r`` has ``r.num_computed_tokens == r.num_tokens - 1``; the draft
 feeds ``r.all_token_ids[-1]`` at position ``r.num_tokens - 1`` and then its own
 guesses, writing K/V at positions ``r.num_tokens - 1 .. r.num_tokens + k - 2``.
@@ -40,12 +43,12 @@ the accepted prefix (and a rejected position is rolled back, never read).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from minivllm import backend
-from minivllm.request import Request, RequestStatus
+from minivllm.request import Request
 from minivllm.spec_decode.backoff import BackOff
 from minivllm.spec_decode.config import SpeculativeConfig
 
@@ -87,14 +90,15 @@ class NgramProposer:
 
 
 def make_proposer(config: SpeculativeConfig, components: backend.Components,
-                  executor=None) -> Proposer:
-    """The proposer ``config.method`` names (``executor``: what a draft model runs on)."""
+                  worker=None) -> Proposer:
+    """The proposer ``config.method`` names (``worker``: the sampling worker a draft
+    model runs beside, or None if it does not hold the whole model)."""
     if config.method == "ngram":
         return NgramProposer(config, components)
     if config.method == "draft_model":
         from minivllm.spec_decode.draft_model import make_draft_proposer
 
-        return make_draft_proposer(config, executor.whole_model_worker())
+        return make_draft_proposer(config, worker)
     raise ValueError(f"speculative_config.method {config.method!r} has no proposer in this "
                      f"engine yet (built: 'ngram')")
 
@@ -113,9 +117,14 @@ def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
 class Speculator:
     """Who gets drafts, and how many, each step; the proposer that guesses them.
 
-    The engine's step calls it twice: :meth:`record` after verification (each
-    request's acceptance feeds its back-off, :mod:`.backoff`) and
-    :meth:`propose` after the scheduler has appended the step's tokens.
+    It lives in the sampling worker, beside the sampler that verifies the
+    drafts (vLLM v1's model runner proposes too). After each step's sampling,
+    :meth:`step` records each verification (it feeds the request's back-off,
+    :mod:`.backoff`) and proposes the next drafts for the requests that just
+    sampled; the drafts go back to the engine in the step's
+    :class:`~minivllm.step_sampling.ModelRunnerOutput` and enter the scheduler
+    through ``update_draft_token_ids``; a draft model's ``q`` rows stay here,
+    with the sampler, until those drafts are verified.
 
     Args:
         config: the engine's :class:`SpeculativeConfig`.
@@ -130,35 +139,36 @@ class Speculator:
         self.max_model_len = max_model_len
         self.backoff = BackOff()
 
-    def record(self, request_id: str, num_accepted: int, num_drafts: int, step: int) -> None:
-        """One verification of ``num_drafts >= 1`` drafts at engine step ``step``."""
-        self.backoff.record(request_id, num_accepted, num_drafts, step)
+    def step(self, requests: Sequence[Any], tokens: Sequence[Sequence[int]],
+             drafts: Sequence[Sequence[int]], allowed: Sequence[bool], step: int,
+             num_running: int) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """After sampling at worker step ``step``: record, then propose.
 
-    def propose(self, running: Sequence[Request], step: int) -> dict[str, torch.Tensor]:
-        """Set ``spec_token_ids`` of every running request for the next step.
-
-        Returns each request's draft distributions ``q`` (``(d, V)``; none for
-        a proposer without them). Only a request whose every token but the
-        last sampled one is computed gets drafts (not one in prefill or
-        recomputing after a preemption), none while it is backed off, none at
-        all in a step with at least ``disable_by_batch_size`` running requests.
+        ``requests[i]`` just emitted ``tokens[i]`` after verifying ``drafts[i]``
+        (its outputs already hold them); ``allowed[i]``: it may get drafts (a
+        constrained request may not). Returns ``(drafts by id, q rows by id)``.
         """
+        for r, t, d in zip(requests, tokens, drafts):
+            if d:
+                self.backoff.record(r.request_id, len(t) - 1, len(d), step)
         limit = self.config.disable_by_batch_size
-        batch_off = limit is not None and len(running) >= limit
-        requests, caps = [], []
-        for r in running:
-            r.spec_token_ids = []
-            if batch_off or r.status != RequestStatus.RUNNING \
-                    or r.num_computed_tokens != r.num_tokens - 1 \
-                    or not self.backoff.may_propose(r.request_id, step):
-                continue
-            cap = self.max_num_drafts(r)
-            if cap > 0:
-                requests.append(r)
-                caps.append(cap)
+        if limit is not None and num_running >= limit:
+            return {}, {}
+        eligible = [r for r, ok in zip(requests, allowed)
+                    if ok and self.backoff.may_propose(r.request_id, step + 1)]
+        return self.propose(eligible)
+
+    def propose(self, requests: Sequence[Any]
+                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Drafts for ``requests`` (every token but the last sampled one computed):
+        ``(drafts by id, each one's q rows (d, V) by id: none for a proposer without)``."""
+        caps = [self.max_num_drafts(r) for r in requests]
+        requests = [r for r, cap in zip(requests, caps) if cap > 0]
+        caps = [cap for cap in caps if cap > 0]
         if not requests:
-            return {}
+            return {}, {}
         drafts, probs = self.proposer.propose(requests, caps)
+        out: dict[str, list[int]] = {}
         draft_probs: dict[str, torch.Tensor] = {}
         at = 0
         for r, d, cap in zip(requests, drafts, caps):
@@ -166,13 +176,14 @@ class Speculator:
             if len(d) > cap:
                 raise ValueError(f"the proposer gave request {r.request_id!r} {len(d)} drafts; "
                                  f"at most {cap} were allowed")
-            r.spec_token_ids = d
+            if d:
+                out[r.request_id] = d
             if probs is not None and d:
                 draft_probs[r.request_id] = probs[at : at + len(d)]
             at += len(d)
-        return draft_probs
+        return out, draft_probs
 
-    def max_num_drafts(self, request: Request) -> int:
+    def max_num_drafts(self, request: Any) -> int:
         """``k``, capped so that no draft lies past what plain decoding could emit.
 
         Drafts stay below ``max_model_len`` and leave room for the extra token
@@ -190,6 +201,16 @@ class Speculator:
             cap = min(cap, min_tokens - n_out - 1)
         return max(cap, 0)
 
+    def invalidate(self, request_id: str) -> None:
+        """The request's block-table row went (preempted, forked): a separate draft's
+        cache of it is void."""
+        forget_cache = getattr(self.proposer, "invalidate", None)
+        if forget_cache is not None:
+            forget_cache(request_id)
+
     def forget(self, request_id: str) -> None:
         """Drop what is kept for a finished request."""
         self.backoff.forget(request_id)
+        forget = getattr(self.proposer, "forget", None)
+        if forget is not None:
+            forget(request_id)

@@ -29,6 +29,10 @@ from minivllm import backend, distributed, kv_quant
 from minivllm.engine.config import WorkerConfig
 from minivllm.metadata import ModelInput, StepInput
 from minivllm.pp_stages import IntermediateTensors, StageTiming
+from minivllm.profiler import op_range
+from minivllm.spec_decode.proposer import Speculator, make_proposer
+from minivllm.step_sampling import ModelRunnerOutput
+from minivllm.worker.sampling import StepSampler
 
 logger = logging.getLogger("minivllm")
 
@@ -77,6 +81,10 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.block_tables = None  # this rank's BlockTables, made by init_kv_cache
         self.model_runner = None  # made by init_kv_cache, over the KV cache
+        #: the last stage's sampler (every tp rank of it: they sample alike), made by
+        #: init_kv_cache
+        self.sampler: StepSampler | None = None
+        self.speculator: Speculator | None = None  # the sampling worker's, with drafts
         self.lora_manager = self.lora_context = None
         if config.lora_config is not None:
             self._init_lora(config.lora_config)
@@ -141,12 +149,15 @@ class Worker:
                 "kv_cache": nbytes(t for kv in self.kv_caches for t in kv)}
 
     def init_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int = 256,
-                      max_num_blocks_per_req: int | None = None) -> None:
+                      max_num_blocks_per_req: int | None = None,
+                      max_model_len: int | None = None) -> None:
         """Allocate one ``(num_blocks, block_size, H_kv, D)`` K and V tensor per layer
         (in ``kv_cache_dtype``; a quantized cache adds its ``(num_blocks, block_size,
         H_kv)`` float32 K and V scales), an empty block table for up to
         ``max_num_reqs`` requests of up to ``max_num_blocks_per_req`` blocks each
-        (default: the whole pool), and the model runner over them."""
+        (default: the whole pool), and the model runner over them; on the
+        sampling worker, its sampler and (speculative decoding) its speculator,
+        whose drafts stay below ``max_model_len`` (default: the blocks' tokens)."""
         self.kv_caches = [
             kv_quant.allocate(num_blocks, block_size, self.num_kv_heads, self.head_dim,
                               self.cache_dtype, self.device)
@@ -157,6 +168,17 @@ class Worker:
             max_num_reqs, max_blocks, block_size, self.device)
         self._runner_shape = (max_num_reqs, max_blocks * block_size, block_size)
         self.build_model_runner(self.config.enforce_eager)
+        if self.is_last_rank:  # every tp rank of the last stage samples, in lockstep
+            self.sampler = StepSampler(
+                self.components, self.hf_config.vocab_size, self.device, self.config.seed,
+                self.config.num_speculative_tokens, self.config.logits_processors,
+                max_num_reqs)
+            spec = self.config.speculative_config
+            if spec is not None:  # a draft model runs beside every layer (its shards)
+                self.speculator = Speculator(
+                    spec, make_proposer(spec, self.components,
+                                        self if self.pp_size == 1 else None),
+                    max_model_len or max_blocks * block_size)
 
     def build_model_runner(self, enforce_eager: bool) -> Any:
         """(Re)build the model runner and return it.
@@ -217,16 +239,28 @@ class Worker:
         return model_input
 
     def execute_model(self, step_input: StepInput
-                      ) -> torch.Tensor | IntermediateTensors | None:
-        """One engine step on this rank: its block table, then its stage's layers.
+                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """One engine step on this rank: its block table, its stage's layers, and on the
+        sampling worker the step's tokens.
 
         On a pipeline stage after the first it receives the previous stage's
         :class:`~minivllm.pp_stages.IntermediateTensors` through :attr:`link`;
         a stage before the last sends its own on (and returns them); the last
-        returns the ``(num_sampled, vocab)`` float32 logits (with real stages
-        its tp rank 0 also sends them back to rank 0). None for a step without
-        tokens (it only changes the block table).
+        stage turns its logits into tokens as the step's
+        :class:`~minivllm.step_sampling.SamplingPlan` says and returns a
+        :class:`~minivllm.step_sampling.ModelRunnerOutput` (with real stages its
+        tp rank 0 also sends it back to rank 0; a step without a plan returns
+        its raw logits in it). None for a step without tokens (it only changes
+        the block table).
         """
+        plan = step_input.sampling
+        if self.speculator is not None:  # a row dropped or rebuilt voids a draft's cache
+            for rid in step_input.removed_req_ids:
+                self.speculator.invalidate(rid)
+        if plan is not None and self.sampler is not None:
+            for rid in plan.finished_req_ids if self.speculator is not None else ():
+                self.speculator.forget(rid)
+            self.sampler.update_states(plan)  # even in a step without tokens
         model_input = self.prepare_model_input(step_input)
         batch, link = self.num_batches, self.link
         self.num_batches += 1
@@ -242,9 +276,33 @@ class Worker:
         self.timeline.append(StageTiming(batch, rank, pp_rank, tp_rank, start, time.time()))
         if link is not None and not link.is_last:
             link.send_intermediate(out)  # (T, hidden) x 2, on to the next stage
-        elif link is not None and link.pp_size > 1:
-            link.send_logits(out, step_input.logits_indices.numel())
-        return out
+            return out
+        # Every tp rank of the last stage holds the same logits (gathered) and the same
+        # generators, so they sample the same tokens: a draft model's forward, with its
+        # collectives, then runs on all of them together. Rank 0 of the stage answers.
+        with op_range("sample"):
+            output = (ModelRunnerOutput(logits=out) if plan is None
+                      else self.sampler.run(out, plan))
+        if plan is not None and self.speculator is not None:
+            with op_range("propose"):
+                output = self._propose(output, plan)
+        if link is not None and link.pp_size > 1:
+            link.send_output(output)
+        return output
+
+    def _propose(self, output: ModelRunnerOutput, plan: Any) -> ModelRunnerOutput:
+        """Speculative decoding, after sampling: the back-off hears each verification,
+        and the requests that just sampled get their next drafts (their ``q`` rows
+        stay with the sampler, for the step that verifies them)."""
+        states = [self.sampler.requests[rid] for rid in output.req_ids]
+        verified = dict(zip(plan.req_ids, plan.drafts))
+        drafts, probs = self.speculator.step(
+            states, output.sampled_token_ids, [verified.get(rid, ()) for rid in output.req_ids],
+            [rid not in plan.no_drafts and self.block_tables.has_request(rid)  # a sibling
+             for rid in output.req_ids], self.num_batches,  # forks first: no row yet
+            plan.num_running)
+        self.sampler.draft_probs.update(probs)
+        return dataclasses.replace(output, draft_token_ids=drafts)
 
     def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
         """This stage's :class:`~minivllm.pp_stages.StageTiming` records (``clear``: then forget them)."""
@@ -270,7 +328,11 @@ class Worker:
         """
         if self.lora_context is not None:  # what the projections' LoRA hooks add
             self.lora_context.batch = model_input.lora
-        out = self.model_runner.execute_model(model_input, intermediate_tensors)
+        try:
+            out = self.model_runner.execute_model(model_input, intermediate_tensors)
+        finally:  # a draft model's forward (the same modules, self-speculation) adds none
+            if self.lora_context is not None:
+                self.lora_context.batch = None
         if not self.is_last_rank:
             return out  # IntermediateTensors for the next stage
         return self.model.compute_logits(out[model_input.logits_indices])

@@ -3,7 +3,7 @@
 :class:`LogitsShaper` holds the built-in processors (the ``logits_processors``
 component: ``allowed_token_ids``, ``bad_words``, ``logit_bias``) and the
 custom ones of ``LLM(logits_processors=[...])``. The engine's
-:class:`~minivllm.engine.sampling.StepSampler` calls :meth:`LogitsShaper.apply`
+:class:`~minivllm.worker.sampling.StepSampler` calls :meth:`LogitsShaper.apply`
 on each step's logits, after the grammar masks and before the sampler (or the
 rejection sampler) component, so shaping composes with structured outputs,
 penalties, ``min_tokens`` (which stay in the sampler), ``n > 1`` and
