@@ -341,6 +341,9 @@ class BeamSearchParams:
             default) means the raw logits.
         length_penalty: the exponent of the length in the score; ``> 0``
             favours longer sequences.
+        structured_outputs: constrain every beam (vLLM's field): each ranks
+            only the tokens its own grammar allows, and ends at EOS once its
+            text is complete (so ``ignore_eos`` must stay False).
     """
 
     beam_width: int
@@ -348,6 +351,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -365,3 +369,10 @@ class BeamSearchParams:
                 raise bad(name, "a finite number")
         if self.temperature < 0:
             raise bad("temperature", "non-negative (0: the raw logits)")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams or None")
+            self.structured_outputs.verify()
+            if self.ignore_eos:
+                raise ValueError("ignore_eos must be False with structured_outputs: a "
+                                 "constrained beam ends at EOS once its text is complete")

@@ -151,6 +151,65 @@ def test_beam_search_with_pipeline_parallelism_matches_transformers(eos_model_di
         llm.shutdown()
 
 
+@pytest.mark.parametrize("choices,width", [
+    (["abc", "abcd", "abd", "xyz", "b"], 3),
+    (["hello", "help", "hel", "yellow", "he"], 4),
+])
+def test_beam_search_with_structured_outputs_matches_transformers(eos_model_dir, choices,
+                                                                   width):
+    """``BeamSearchParams(structured_outputs=...)`` (vLLM's field): every beam ranks only
+    the tokens its own grammar allows. The oracle is transformers' beam search with a
+    logits processor over the same choices, written here (a prefix of a choice may go
+    on; EOS once the text is a whole choice). As in vLLM, where the grammar masks the
+    logits before the log-probabilities are taken, the candidates' log-probabilities
+    are renormalized over the allowed tokens (transformers' own
+    ``prefix_allowed_tokens_fn`` masks after the log-softmax, and ranks differently)."""
+    from conftest import byte_tokenizer
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from minivllm import StructuredOutputsParams
+
+    tok = byte_tokenizer()
+    encoded = [tok.encode(c, add_special_tokens=False) for c in choices]
+    prompt = random_prompts(1, [9], seed=width)[0]
+
+    def allowed(gen: list[int]) -> list[int]:
+        if gen and gen[-1] == EOS:
+            return [EOS]  # a finished beam's padding
+        nxt = {e[len(gen)] for e in encoded if e[: len(gen)] == gen and len(e) > len(gen)}
+        return sorted(nxt | ({EOS} if gen in encoded else set()))
+
+    class Choices(LogitsProcessor):  # mask, then log-softmax again over what is left
+        def __call__(self, input_ids, scores):
+            mask = torch.full_like(scores, float("-inf"))
+            for row, ids in enumerate(input_ids):
+                mask[row, allowed(ids[len(prompt):].tolist())] = 0.0
+            return torch.log_softmax(scores + mask, dim=-1)
+
+    model = hf_model(eos_model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), num_beams=width, do_sample=False,
+                             num_return_sequences=width, max_new_tokens=8,
+                             early_stopping=False, pad_token_id=EOS, eos_token_id=EOS,
+                             logits_processor=LogitsProcessorList([Choices()]))
+    want = []
+    for seq in out:
+        gen = seq[len(prompt):].tolist()
+        want.append(gen[: gen.index(EOS) + 1] if EOS in gen else gen)
+    llm = make_llm(eos_model_dir, block_size=4)
+    params = BeamSearchParams(beam_width=width, max_tokens=8,
+                              structured_outputs=StructuredOutputsParams(choice=choices))
+    got = llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
+    assert [s.tokens[len(prompt):] for s in got.sequences] == want
+    assert all(tok.decode(s.tokens[len(prompt):-1]) in choices for s in got.sequences)
+    engine = llm.llm_engine
+    assert engine.scheduler.num_free_blocks == engine.cache_config.num_blocks
+    assert not engine.structured.grammars
+    with pytest.raises(ValueError, match="ignore_eos"):
+        BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True,
+                         structured_outputs=StructuredOutputsParams(choice=choices))
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_beam_search_and_n_compose_with_speculative_decoding(tiny_model_dir, method):
     """With speculative decoding on, a beam search equals transformers' (beams rank their

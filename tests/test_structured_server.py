@@ -84,6 +84,23 @@ def test_completions_structured_outputs_extra_equals_offline(tiny):
             assert re.fullmatch(pattern, got.text)
 
 
+def test_beam_search_with_a_constraint_equals_offline(tiny):
+    """``use_beam_search`` with ``structured_outputs``: every beam follows the choice,
+    and the completions are the offline ``LLM.beam_search`` sequences."""
+    from minivllm import BeamSearchParams
+
+    server, llm = tiny
+    choices = ["Paris", "Oslo", "Lima", "Pa"]
+    want = llm.beam_search(["City: "], BeamSearchParams(
+        beam_width=3, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices)))
+    got = client(server).completions.create(
+        model="tiny", prompt="City: ", n=3, max_tokens=8,
+        extra_body={"use_beam_search": True, "structured_outputs": {"choice": choices}})
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert texts == [s.text for s in want[0].sequences]
+    assert all(t in choices for t in texts)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_response_format_json_schema_and_json_object(tiny, stream):
     server, llm = tiny
@@ -215,7 +232,7 @@ BAD = [
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
      "response_format"),
     (dict(n=2, response_format={"type": "json_object"},
-          extra_body={"use_beam_search": True}), "use_beam_search"),
+          extra_body={"use_beam_search": True, "ignore_eos": True}), "response_format"),
 ]
 
 

@@ -128,7 +128,7 @@ class LLMEngine:
                                             config.structured_outputs_compile_timeout_s)
         # Parallel sampling (n > 1) and beam search: requests that share blocks by fork.
         self.groups = SequenceGroups(self.scheduler, self.output_processor,
-                                     self.input_processor)
+                                     self.input_processor, self.structured)
         self.planner = SamplingPlanner(self.groups, self.structured)
         if spec is not None and not hasattr(self.scheduler, "update_draft_token_ids"):
             raise ValueError("speculative_config needs a scheduler with "
@@ -254,11 +254,13 @@ class LLMEngine:
             prompt_token_ids, params, request_id, self.eos_token_id, self.config.block_size,
             self.cache_config.num_blocks, lora_request)
         try:
+            grammar = self.structured.compile(first.sampling_params)  # ValueError: the field
             self.scheduler.add_request(first)
         except BaseException:
             self.groups.forget(request_id)
             raise
         self.lora.hold_if_needed(first, self.scheduler)
+        self.structured.add(first.request_id, grammar)  # each beam forks its parent's
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:

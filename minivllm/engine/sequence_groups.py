@@ -116,10 +116,14 @@ class SequenceGroups:
         scheduler: the engine's scheduler (forks, extensions, requeues go through it).
         output_processor: the engine's output processor (the members' states).
         input_processor: builds the members' requests, states and generators.
+        structured: the engine's grammars: a constrained beam's child forks its
+            parent's, and each accepts the token its beam took.
     """
 
-    def __init__(self, scheduler: Any, output_processor: Any, input_processor: Any) -> None:
+    def __init__(self, scheduler: Any, output_processor: Any, input_processor: Any,
+                 structured: Any = None) -> None:
         self.scheduler = scheduler
+        self.structured = structured  # constrained beams' grammars (BeamSearchParams)
         self.output_processor = output_processor
         self.input_processor = input_processor
         self.parallel: dict[str, ParallelSampling] = {}  # by child id
@@ -166,7 +170,8 @@ class SequenceGroups:
         check_group_fits(params.beam_width, len(prompt_token_ids), params.max_tokens, block_size,
                          num_blocks, "beam_width")
         sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True, temperature=0.0,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+                            output_kind=RequestOutputKind.FINAL_ONLY,
+                            structured_outputs=params.structured_outputs)
         self.input_processor.validate_prompt(prompt_token_ids, sp)
         search = BeamSearch(request_id, params, sp, list(prompt_token_ids),
                             None if params.ignore_eos else eos_token_id, beams=[])
@@ -192,6 +197,7 @@ class SequenceGroups:
         if search is not None:
             for beam_id in [k for k, v in self.beams.items() if v is search]:
                 del self.beams[beam_id]
+                self._grammars_take(beam_id, None, None)
         for cid in [k for k, g in self.parallel.items() if g.request_id == request_id]:
             del self.parallel[cid]
 
@@ -333,6 +339,7 @@ class SequenceGroups:
                 self.scheduler.finish_requests([beam.request.request_id],
                                                RequestStatus.FINISHED_ABORTED)
                 self.beams.pop(beam.request.request_id, None)
+                self._grammars_take(beam.request.request_id, None, None)
         num_forks = sum(len(picks) - 1 for picks in chosen.values())
         fork = self.scheduler.has_room(num_forks)
         beams, children = [], []
@@ -346,6 +353,7 @@ class SequenceGroups:
                 for own in parent.output_token_ids:
                     child.append_output_token_ids(own)
                 self.beams[child.request_id] = search
+                self._grammars_take(parent.request_id, t, child.request_id)
                 if fork:
                     self.scheduler.fork_request(parent, child, [t])
                 else:
@@ -353,12 +361,31 @@ class SequenceGroups:
                     children.append(child)
                 beams.append((score, b, _Beam(child, score)))
             if picks:
+                self._grammars_take(parent.request_id, picks[0][1], parent.request_id)
                 self.scheduler.extend_request(parent, [picks[0][1]])
                 beams.append((picks[0][0], b, _Beam(parent, picks[0][0])))
         beams.sort(key=lambda x: (-x[0], x[1]))
         search.beams = [beam for _, _, beam in beams]
         if not fork:
             self._requeue(search, to_front=True, new_requests=children)
+
+    def _grammars_take(self, beam_id: str, token: int | None, new_id: str | None) -> None:
+        """A constrained beam's grammar: ``new_id`` (the beam itself, or a child) takes
+        ``token`` from ``beam_id``'s state (a child from a fork of it); ``new_id`` None:
+        the beam was dropped, its grammar goes."""
+        grammars = {} if self.structured is None else self.structured.grammars
+        grammar = grammars.get(beam_id)
+        if grammar is None:
+            return
+        if new_id is None:
+            self.structured.forget(beam_id)
+            return
+        if new_id != beam_id:
+            grammar = grammar.fork()
+            self.structured.add(new_id, grammar)
+        if not grammar.accept_tokens([token]):  # the mask allowed it: never refused
+            raise ValueError(f"structured_outputs: beam {new_id!r} took token {token} "
+                             "that its grammar refuses")
 
     def _finish(self, search: BeamSearch, tokenizer: Any) -> RequestOutput:
         """The search's output: its finished sequences, best first (one completion each)."""

@@ -76,8 +76,10 @@ class SamplingPlanner:
         beams = {rid for rid, _, _ in ranked}
         fan_out = self.groups.fan_out(sampling) if self.groups else []
         sampled = [r for r in sampling if r.request_id not in beams] + [s for s, _ in fan_out]
-        bitmask, bitmask_ids, dead = self.structured.bitmask(sampled)
+        bitmask, bitmask_ids, dead = self.structured.bitmask(
+            sampled + [r for r in sampling if r.request_id in beams])  # constrained beams
         skipped = frozenset(r.request_id for r, _ in dead)
+        dead = [(r, e) for r, e in dead if r.request_id not in beams]  # a beam: no candidates
         prompt_k = {rid: live[rid].sampling_params.prompt_logprobs
                     for rid, *_ in step_input.prompt_logprob_rows}
         new, tails = [], []

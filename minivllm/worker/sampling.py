@@ -143,7 +143,7 @@ class StepSampler:
         for rid, d in zip(plan.req_ids, plan.drafts):
             last_row[rid] = start + len(d)
             if rid in beams:  # a beam ranks its candidates: nothing is sampled
-                ranked[rid] = _top_logprobs(logits[start], *beams[rid])
+                ranked[rid] = self._rank(logits[start : start + 1], rid, *beams[rid], plan)
             elif rid not in plan.skipped:
                 reqs.append(self.requests[rid])
                 drafts.append(tuple(d))
@@ -167,6 +167,19 @@ class StepSampler:
             sampled_token_ids=tuple(tuple(t) for _, t, _ in sampled),
             logprobs=tuple(lp for _, _, lp in sampled), prompt_logprobs=tuple(prompt),
             ranked=ranked, failures=tuple((r.request_id, e) for r, e in failures))
+
+    def _rank(self, row: torch.Tensor, rid: str, k: int, temperature: float,
+              plan: SamplingPlan) -> tuple[list[float], list[int]]:
+        """A beam's candidates from its ``(1, V)`` row: its grammar's mask first (a
+        constrained beam), then the top ``k`` log-probabilities, the allowed ones only."""
+        if rid in plan.skipped:  # its grammar allows nothing: it offers no candidate
+            return [], []
+        if rid in plan.bitmask_req_ids:
+            row = row.to(torch.float32, copy=True)
+            self._mask(row, [self.requests.get(rid) or _Beam(rid)], plan)
+        values, ids = _top_logprobs(row[0], k, temperature)
+        keep = [i for i, v in enumerate(values) if v != float("-inf")]
+        return [values[i] for i in keep], [ids[i] for i in keep]
 
     def _mask(self, logits: torch.Tensor, reqs: list, plan: SamplingPlan) -> None:
         """The grammar bitmask on its requests' rows (constrained requests have no drafts)."""
@@ -349,6 +362,13 @@ def _isolate(fn: Callable[..., list[Row]], logits: torch.Tensor, raw: torch.Tens
         except Exception as e:  # noqa: BLE001 -- it belongs to this request alone
             failures.append((req, e))
     return rows, failures
+
+
+@dataclass
+class _Beam:
+    """A beam, as :meth:`StepSampler._mask` reads it (it keeps no state here)."""
+
+    request_id: str
 
 
 def _top_logprobs(row: torch.Tensor, k: int, temperature: float

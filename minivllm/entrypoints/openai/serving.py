@@ -60,7 +60,6 @@ from minivllm.entrypoints.openai.structured import (
     request_constraint,
 )
 from minivllm.entrypoints.openai.tool_parsers import AutoToolCalls, ToolCallOptions
-from minivllm.sampling_params import BeamSearchParams
 
 _PARAM_FIELDS = ("logprobs", "prompt_logprobs", "priority", "logit_bias", "allowed_token_ids",
                  "bad_words")  # the engine's errors for these begin with their name
@@ -245,12 +244,11 @@ class OpenAIServing:
     async def _create(self, req, prompts: list[list[int]], kind: Kind, lora=None,
                       constraint: Constraint | None = None):
         params = req.engine_params(self.default_sampling)
-        if constraint is not None:
-            if isinstance(params, BeamSearchParams):
-                raise APIError(400, f"{constraint.field} does not apply with use_beam_search "
-                                    f"(a beam search ranks, it samples nothing to constrain)",
-                               "use_beam_search")
-            params = dataclasses.replace(params, structured_outputs=constraint.params)
+        if constraint is not None:  # a beam search's beams each follow it too
+            try:
+                params = dataclasses.replace(params, structured_outputs=constraint.params)
+            except ValueError as e:  # a beam search with ignore_eos
+                raise APIError(400, f"{constraint.field}: {e}", constraint.field) from None
         batch = [(prompt, params, f"{kind.engine_id}-{p_idx}", lora, req.priority)
                  for p_idx, prompt in enumerate(prompts)]
         try:
