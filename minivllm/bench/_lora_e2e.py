@@ -65,10 +65,9 @@ def run(model: str = "smollm2", batch_sizes=(1, 64), adapter_counts=(1, 4, 8),
         dtype: str = "auto") -> list[dict]:
     """Every row (see the module docstring); prints the table."""
     from minivllm import LLM, SamplingParams
-    from minivllm.lora.request import LoRARequest
-
     from minivllm.bench._harness import describe_machine
     from minivllm.bench._harness import machine as machine_info
+    from minivllm.lora.request import LoRARequest
 
     machine = machine_info()  # the CPU, its flags, the load before
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
