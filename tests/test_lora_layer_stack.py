@@ -117,3 +117,18 @@ def test_a_step_without_adapters_in_a_lora_engine_is_the_base_model(lora_adapter
     steps = _stack_steps(monkeypatch)
     assert _generate(lora, prompts, [None] * 4, adapters) == plain
     assert steps and not any(has for _, _, has in steps)
+
+
+def test_a_lora_component_that_is_not_the_cpp_op_runs_the_models_forward(lora_adapters):
+    """The stack calls the C++ ``add_lora``; where the engine's ``lora`` component is
+    another (the ref, a student's), the model's forward runs so that that one does, and
+    an engine without LoRA keeps the stack (it never calls the component)."""
+    from minivllm import backend
+
+    base, _ = lora_adapters("llama")
+    spec = {**{c: "fast" for c in backend.COMPONENTS}, "lora": "ref"}
+    kw = dict(backend=spec, dtype="float32", device="cpu", max_model_len=64)
+    runner = LLM(str(base), enable_lora=True, **kw).llm_engine.executor.worker.model_runner
+    assert runner.fast_paths == () and "lora" in runner.fallback_reason
+    plain = LLM(str(base), **kw).llm_engine.executor.worker.model_runner
+    assert plain.fast_paths == ("cpu_layer_stack",)

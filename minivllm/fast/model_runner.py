@@ -201,15 +201,16 @@ _REQUIRED_OPS = MappingProxyType({
     ("cache_write", "reshape_and_cache"): "reshape_and_cache",
     ("attention", "paged_attention"): "paged_attention",
     ("activation", "silu_and_mul"): "silu_and_mul",
+    ("lora", "add_lora"): "add_lora",
 })
 
 
 def _cpp_functions() -> dict[tuple[str, str], set]:
     """The Python functions that are thin wrappers over the C++ ops, per component."""
-    from minivllm.fast import activation, attention, cache_write, layernorm, rotary
+    from minivllm.fast import activation, attention, cache_write, layernorm, lora, rotary
 
     mods = dict(layernorm=layernorm, rotary=rotary, cache_write=cache_write,
-                attention=attention, activation=activation)
+                attention=attention, activation=activation, lora=lora)
     # ``fast.X.f`` dispatches on the device to ``f_cpu``; ``fast.cpu`` serves ``f_cpu``.
     return {key: {getattr(mods[key[0]], key[1]), getattr(mods[key[0]], key[1] + "_cpu")}
             for key in _REQUIRED_OPS}
@@ -228,6 +229,9 @@ def _components_why_not(model: torch.nn.Module) -> str | None:
                                                for l in layers],
         ("attention", "paged_attention"): [l.self_attn.ops_attn.paged_attention for l in layers],
         ("activation", "silu_and_mul"): [l.mlp.ops_act.silu_and_mul for l in layers],
+        # A student's (or the ref's) add_lora must run, not the C++ op in its place.
+        ("lora", "add_lora"): [p.ops.add_lora for _, _, p in projection_loras(model)]
+        if "lora" in model.features else [],
     }
     cpp = _cpp_functions()
     for key, fns in found.items():
