@@ -406,10 +406,9 @@ class ModelInput:
         attn_metadata: where each token reads and writes the paged KV cache.
         logits_indices: ``(num_logits,)`` int64 rows of the hidden states whose
             next-token logits are needed (as in :attr:`StepInput.logits_indices`).
-        lora: the step's LoRA adapters (a :class:`~minivllm.lora.manager.LoRABatch`:
-            each token's slot and the slots' weights), or None when no token of
-            the step has one. Only the model's own forward adds them (its
-            projections' hooks): a fast path runs a step only without.
+        lora: each token's LoRA adapter slot (a :class:`~minivllm.lora.mapping.LoRAMapping`),
+            or None when no token of the step has one. The slots' weights are the
+            model's (:func:`minivllm.lora.layers.enable_lora`).
     """
 
     input_ids: torch.Tensor

@@ -125,7 +125,8 @@ def end_to_end(args: argparse.Namespace) -> list[dict]:
     (:mod:`minivllm.bench._lora_e2e`)."""
     from minivllm.bench import _lora_e2e as lora_e2e
 
-    return lora_e2e.run(args.model, rank=args.rank, output_len=args.output_len)
+    return lora_e2e.run(args.model, rank=args.rank, output_len=args.output_len,
+                        repeats=args.repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                         "adapters against the base model (minivllm.bench._lora_e2e)")
     p.add_argument("--model", default="smollm2", help="--e2e: the base model")
     p.add_argument("--output-len", type=int, default=32, help="--e2e: tokens per request")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--e2e: rounds, base and LoRA engines alternated (medians printed)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

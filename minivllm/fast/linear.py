@@ -331,9 +331,6 @@ class RowParallelLinear(_Prepacked, nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        #: Called as ``add_to_partial(y, x)`` on this rank's partial sum before the
-        #: all-reduce (a LoRA delta joins it there: minivllm.lora.layers); None: nothing.
-        self.add_to_partial = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Weight: copy this rank's input columns; bias: copy it whole."""
@@ -346,12 +343,19 @@ class RowParallelLinear(_Prepacked, nn.Module):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / tp) -> (T, out)
+        return self._reduce(self._partial_sum(x)[0])
+
+    # The forward's two halves: a LoRA delta joins the partial sum between them
+    # (minivllm.lora.layers.ProjectionLoRA, with its rank's columns of A).
+    def _partial_sum(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x_r W_r^T, x_r)``: this rank's partial sum (T, out) and its input shard."""
         if not self.input_is_parallel:  # a full input: take this rank's features
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
-        y = linear(x, self.weight, packed=self.packed_weight)  # (T, out): this rank's partial sum
-        if self.add_to_partial is not None:
-            self.add_to_partial(y, x)
+        return linear(x, self.weight, packed=self.packed_weight), x
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The partial sums of every rank added up, then the bias (once)."""
         y = distributed.tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

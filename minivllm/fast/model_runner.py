@@ -43,7 +43,10 @@ forward too;
 that many rows (a long prefill chunk runs the model's forward, whose GEMMs
 dominate it). The KV cache may be of any ``kv_cache_dtype``: an int8 / fp8
 layer's scales go to the same cache-write and attention ops, as the model's
-forward passes them.
+forward passes them. LoRA adapters (``"lora"``: :mod:`minivllm.lora.layers`) stay
+in the loop too: every projection's adapter stacks are bound once, a step passes
+its token -> slot map, and after each projection the loop calls the ``add_lora``
+op the model's ``ProjectionLoRA`` calls.
 
 **The model's forward wins** where a reader or a tool needs it:
 ``enforce_eager=True`` (a breakpoint in ``LlamaDecoderLayer.forward`` fires
@@ -62,6 +65,7 @@ import torch
 
 from minivllm.fast import model_runner_hugepages as hugepages
 from minivllm.fast.linear_kernel import ProjectionKernel, kind_numbers, projection_kernel
+from minivllm.lora.layers import projection_loras
 from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
 from minivllm.quantized_weight import QuantizedWeight
@@ -73,10 +77,12 @@ logger = logging.getLogger("minivllm")
 
 #: The model features a CUDA graph of the model's forward can replay (one device:
 #: no collectives inside the graph, and a whole model, not a pipeline stage).
+#: ``"lora"``: the graphs hold the base model only, so a step with adapters runs the
+#: model's forward (:meth:`ModelRunner.execute_model`); steps without replay.
 CUDA_GRAPH_FEATURES = frozenset({
     "embedding", "rms_norm", "qkv_proj", "qkv_bias", "qk_norm", "gqa", "rope",
     "paged_attention", "o_proj", "o_bias", "silu_gated_mlp", "mlp_bias", "final_norm",
-    "tied_embeddings",
+    "tied_embeddings", "lora",
 })
 
 
@@ -169,12 +175,12 @@ class ModelRunner(_ref.ModelRunner):
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput, intermediate_tensors: Any = None) -> Any:
         """The model's forward over one step, by the fastest path that runs it exactly."""
-        # A step with LoRA adapters runs the model's own forward: only its projections'
-        # hooks add the adapters (minivllm.lora.layers).
-        if not is_recording() and model_input.lora is None:
+        if not is_recording():
             if self.layer_stack is not None and self.layer_stack.can_run(model_input):
-                return self.layer_stack.run(model_input)
-            if self.cuda_graphs is not None and self.cuda_graphs.can_run(model_input):
+                return self.layer_stack.run(model_input)  # LoRA deltas included
+            # The graphs replay the base model: a step with LoRA adapters runs eagerly.
+            if self.cuda_graphs is not None and model_input.lora is None \
+                    and self.cuda_graphs.can_run(model_input):
                 return self.cuda_graphs.run(model_input)
         return super().execute_model(model_input, intermediate_tensors)
 
@@ -184,7 +190,7 @@ class ModelRunner(_ref.ModelRunner):
 #: The model features (``LlamaForCausalLM.features``) the C++ loop implements.
 SUPPORTED_FEATURES = frozenset({
     "embedding", "rms_norm", "qkv_proj", "gqa", "rope", "paged_attention", "o_proj",
-    "silu_gated_mlp", "final_norm", "tied_embeddings",
+    "silu_gated_mlp", "final_norm", "tied_embeddings", "lora",
 })
 
 #: (module attribute holding the component, function name) -> the C++ op it must be.
@@ -195,15 +201,16 @@ _REQUIRED_OPS = MappingProxyType({
     ("cache_write", "reshape_and_cache"): "reshape_and_cache",
     ("attention", "paged_attention"): "paged_attention",
     ("activation", "silu_and_mul"): "silu_and_mul",
+    ("lora", "add_lora"): "add_lora",
 })
 
 
 def _cpp_functions() -> dict[tuple[str, str], set]:
     """The Python functions that are thin wrappers over the C++ ops, per component."""
-    from minivllm.fast import activation, attention, cache_write, layernorm, rotary
+    from minivllm.fast import activation, attention, cache_write, layernorm, lora, rotary
 
     mods = dict(layernorm=layernorm, rotary=rotary, cache_write=cache_write,
-                attention=attention, activation=activation)
+                attention=attention, activation=activation, lora=lora)
     # ``fast.X.f`` dispatches on the device to ``f_cpu``; ``fast.cpu`` serves ``f_cpu``.
     return {key: {getattr(mods[key[0]], key[1]), getattr(mods[key[0]], key[1] + "_cpu")}
             for key in _REQUIRED_OPS}
@@ -222,6 +229,9 @@ def _components_why_not(model: torch.nn.Module) -> str | None:
                                                for l in layers],
         ("attention", "paged_attention"): [l.self_attn.ops_attn.paged_attention for l in layers],
         ("activation", "silu_and_mul"): [l.mlp.ops_act.silu_and_mul for l in layers],
+        # A student's (or the ref's) add_lora must run, not the C++ op in its place.
+        ("lora", "add_lora"): [p.ops.add_lora for _, _, p in projection_loras(model)]
+        if "lora" in model.features else [],
     }
     cpp = _cpp_functions()
     for key, fns in found.items():
@@ -245,6 +255,14 @@ def _projection(layer: torch.nn.Module) -> ProjectionKernel | str:
     if isinstance(w, QuantizedWeight) and w.ops is not fast_quantization:
         return "a quantized weight not served by the fast quantization twin"
     return projection_kernel(w)
+
+
+def _lora_mapping(lora: Any) -> tuple[torch.Tensor | None, ...]:
+    """A step's :class:`~minivllm.lora.mapping.LoRAMapping` as the C++ loop takes it:
+    ``(sorted_tokens, seg_starts, seg_slots)``, or three Nones (no token has an adapter)."""
+    if lora is None or not lora.slots:
+        return None, None, None
+    return lora.sorted_tokens, lora.seg_starts, lora.seg_slots
 
 
 class LayerStack:
@@ -274,6 +292,14 @@ class LayerStack:
                       for n in (l.input_layernorm, l.post_attention_layernorm)]
         self.norm_eps = [float(n.eps) for l in inner.layers
                          for n in (l.input_layernorm, l.post_attention_layernorm)]
+        # LoRA (minivllm.lora.layers): every projection's stacks, slice by slice, bound once
+        # (the manager fills their slots in place); a step passes only its token -> slot map.
+        stacks = [lora.stack for _, _, lora in projection_loras(model)] \
+            if "lora" in model.features else []
+        self.lora_slices = [len(s.lora_a) for s in stacks]  # per projection: its slices
+        self.lora_a = [t for s in stacks for t in s.lora_a]
+        self.lora_b = [t for s in stacks for t in s.lora_b]
+        self.lora_scalings = [t for s in stacks for t in s.scalings]
         self.k_caches = [kv[0] for kv in kv_caches]
         self.v_caches = [kv[1] for kv in kv_caches]
         # An int8 / fp8 cache's scales, one pair a layer (none for a float cache).
@@ -313,6 +339,12 @@ class LayerStack:
                                              (l.input_layernorm, l.post_attention_layernorm)]
         if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
             return "norm weights differ in dtype from the activations"
+        if "lora" in model.features:  # add_lora's contract: stacks in the activations' dtype
+            stacks = [lora.stack for _, _, lora in projection_loras(model)]
+            if any(s is None for s in stacks) or any(
+                    t.dtype != dtype or not t.is_contiguous() for s in stacks
+                    for t in (*s.lora_a, *s.lora_b)):
+                return "LoRA stacks missing, or not contiguous in the activations' dtype"
         # The weights into huge pages (Linux): the step streams them with fewer TLB misses.
         hugepages.rehome(model)
         numbers = kind_numbers()
@@ -349,6 +381,7 @@ class LayerStack:
             md.query_start_loc.to(torch.int32),  # (num_seqs + 1,)
             self.cos_sin_cache, self.is_neox, self.norms, self.norm_eps, self.weights,
             self.kinds, self.k_caches, self.v_caches, num_heads, num_kv_heads, head_dim, scale,
-            self.k_scales, self.v_scales)
+            self.k_scales, self.v_scales, self.lora_a, self.lora_b, self.lora_scalings,
+            self.lora_slices, *_lora_mapping(model_input.lora))
         self._fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
         return hidden

@@ -25,15 +25,15 @@ Variants are switched by the HF config:
 - Qwen3: ``head_dim`` from the config (may differ from hidden / heads) and an
   RMSNorm over each query and key head before RoPE (``q_norm``/``k_norm``).
 - ``tie_word_embeddings``: the LM head reuses the embedding matrix.
-- Mistral: the same as Llama here. There is no sliding-window attention: every
-  token attends to its whole context, which equals sliding-window attention as
-  long as sequences are no longer than the window (4096 for Mistral 7B v0.1;
-  later Mistral versions set ``sliding_window`` to null), so the engine caps
-  ``max_model_len`` at ``sliding_window`` (see docs/models.md).
+- Mistral: Llama here. Every token attends to its whole context, which equals
+  sliding-window attention up to the window, so the engine caps ``max_model_len``
+  at ``sliding_window`` (4096 for Mistral 7B v0.1; null later; docs/models.md).
 
 **Features, declared.** Every module records, in ``self.features``, the
 switches it took from the config (``"gqa"``, ``"qkv_bias"``, ``"qk_norm"``,
-``"tensor_parallel"``, ...), and :class:`LlamaForCausalLM` collects them. The
+``"tensor_parallel"``, ...), and :class:`LlamaForCausalLM` collects them
+(``"lora"`` joins when :func:`minivllm.lora.layers.enable_lora` gives every
+projection's :class:`~minivllm.lora.layers.ProjectionLoRA` its adapter stacks). The
 fast model runner (:mod:`minivllm.fast.model_runner`) runs a model only if it
 implements every feature the model declares, and runs this forward
 otherwise; so a switch added here must be declared here too, or a fast path
@@ -41,8 +41,8 @@ would compute it wrongly (``tests/test_model_runner.py`` checks every
 registered architecture bit for bit).
 
 The kernels come from the swap layer (:mod:`minivllm.backend`): the engine's
-:class:`~minivllm.backend.Components` record is passed to every layer when
-the model is built, so ``ref`` and ``fast`` run the same model code.
+:class:`~minivllm.backend.Components` record is passed to every layer when the
+model is built, so ``ref`` and ``fast`` run the same model code.
 
 Each kernel call sits in an :func:`~minivllm.profiler.op_range` (``op.linear``, ``op.attention``,
 ...) and each decoder layer in a ``layer.{i}`` range; they exist only while a
@@ -59,6 +59,7 @@ from torch import nn
 
 from minivllm import backend
 from minivllm.hf_config import attention_config
+from minivllm.lora.layers import LoRAMapping, ProjectionLoRA
 from minivllm.metadata import AttentionMetadata
 from minivllm.model.rope import get_rope, rope_params_from_config
 from minivllm.model.weights import load_hf_weights
@@ -125,18 +126,19 @@ class LlamaAttention(nn.Module):
         qkv_bias, o_bias = dims.qkv_bias, dims.o_bias
 
         linear = components.linear
-        self.qkv_proj = linear.QKVParallelLinear(
-            hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias, tp_size=tp_size
-        )
+        self.qkv_proj = linear.QKVParallelLinear(hidden, self.head_dim, total_heads,
+                                                 total_kv_heads, bias=qkv_bias, tp_size=tp_size)
         # The head counts this process computes: the totals when one process plays every
         # rank (minivllm.ref.linear), this rank's share when each rank is a process.
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = linear.RowParallelLinear(
-            total_heads * self.head_dim, hidden, bias=o_bias, tp_size=tp_size
-        )
+        self.o_proj = linear.RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias,
+                                               tp_size=tp_size)
+        # Each projection's LoRA: its adapters' delta after the base matmul (minivllm.lora).
+        self.qkv_lora = ProjectionLoRA("qkv_proj", components.lora)
+        self.o_lora = ProjectionLoRA("o_proj", components.lora)
         if dims.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, components)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, components)
@@ -158,10 +160,11 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # (T, hidden)
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        lora: LoRAMapping | None = None,  # each token's adapter slot; None: no adapter
     ) -> torch.Tensor:  # (T, hidden)
         T = hidden.shape[0]
-        with op_range("op.linear"):
-            qkv = self.qkv_proj(hidden)  # (T, (H + 2 * H_kv) * D)
+        with op_range("op.linear"):  # qkv_proj(hidden) + each token's LoRA delta
+            qkv = self.qkv_lora(self.qkv_proj, hidden, lora)  # (T, (H + 2 * H_kv) * D)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
@@ -181,8 +184,8 @@ class LlamaAttention(nn.Module):
         with op_range("op.attention"):
             out = self.ops_attn.paged_attention(q, k_cache, v_cache, attn_metadata, self.scale,
                                                 **quant)
-        with op_range("op.linear"):
-            return self.o_proj(out.reshape(T, self.q_size))  # (T, H, D) -> (T, hidden)
+        with op_range("op.linear"):  # (T, H, D) -> (T, hidden)
+            return self.o_lora(self.o_proj, out.reshape(T, self.q_size), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -194,22 +197,23 @@ class LlamaMLP(nn.Module):
         components = backend.as_components(components)
         linear = components.linear
         inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = linear.MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=bias, tp_size=tp_size
-        )
-        self.down_proj = linear.RowParallelLinear(
-            inter, config.hidden_size, bias=bias, tp_size=tp_size
-        )
+        self.gate_up_proj = linear.MergedColumnParallelLinear(config.hidden_size, [inter, inter],
+                                                              bias=bias, tp_size=tp_size)
+        self.down_proj = linear.RowParallelLinear(inter, config.hidden_size, bias=bias,
+                                                  tp_size=tp_size)
+        self.gate_up_lora = ProjectionLoRA("gate_up_proj", components.lora)
+        self.down_lora = ProjectionLoRA("down_proj", components.lora)
         self.ops_act = components.activation
         self.features = frozenset({"silu_gated_mlp"} | ({"mlp_bias"} if bias else set()))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        with op_range("op.linear"):
-            gate_up = self.gate_up_proj(x)  # (T, 2 * inter)
+    def forward(self, x: torch.Tensor,  # (T, hidden) -> (T, hidden)
+                lora: LoRAMapping | None = None) -> torch.Tensor:
+        with op_range("op.linear"):  # each projection plus each token's LoRA delta
+            gate_up = self.gate_up_lora(self.gate_up_proj, x, lora)  # (T, 2 * inter)
         with op_range("op.activation"):
             act = self.ops_act.silu_and_mul(gate_up)  # (T, inter)
         with op_range("op.linear"):
-            return self.down_proj(act)  # (T, inter) -> (T, hidden)
+            return self.down_lora(self.down_proj, act, lora)  # (T, inter) -> (T, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -234,15 +238,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # (T, hidden): the stream before it; None in layer 0
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        lora: LoRAMapping | None = None,  # each token's adapter slot; None: no adapter
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # layer 0: the embeddings are the residual stream
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -274,8 +279,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, tp_size, components)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(num_layers)
-        )
+            for i in range(num_layers))
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, components)
                      if self.is_last_rank else PPMissingLayer())
         held = [self.layers[i] for i in range(self.start_layer, self.end_layer)]
@@ -293,6 +297,7 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],  # one per layer this stage holds
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,  # None on the first stage
+        lora: LoRAMapping | None = None,  # each token's adapter slot; None: no adapter
     ) -> torch.Tensor | IntermediateTensors:
         """This stage's forward over ``T`` tokens: the first embeds, each runs its layers
         ``[start_layer, end_layer)`` (``kv_caches[0]`` is ``start_layer``'s), the last norms
@@ -307,7 +312,8 @@ class LlamaModel(nn.Module):
         for i in range(self.start_layer, self.end_layer):
             with op_range(f"layer.{i}"):
                 hidden, residual = self.layers[i](positions, hidden, residual,
-                                                  kv_caches[i - self.start_layer], attn_metadata)
+                                                  kv_caches[i - self.start_layer], attn_metadata,
+                                                  lora)
         if not self.is_last_rank:
             return IntermediateTensors(hidden_states=hidden, residual=residual)
         hidden, _ = self.norm(hidden, residual)
@@ -353,15 +359,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer (of this stage)
         attn_metadata: AttentionMetadata,
         intermediate_tensors: Any = None,  # from the previous pipeline stage
+        lora: LoRAMapping | None = None,  # the step's token -> LoRA slot map (minivllm.lora)
     ) -> Any:  # (T, hidden), or IntermediateTensors on a stage before the last
         """Run the decoder (this stage's layers) over a flat batch; write its K/V into ``kv_caches``."""
         num_layers = self.model.end_layer - self.model.start_layer
         if len(kv_caches) != num_layers:
-            raise ValueError(
-                f"kv_caches must have one (k, v) pair per layer "
-                f"({num_layers}), got {len(kv_caches)}"
-            )
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
+            raise ValueError(f"kv_caches must have one (k, v) pair per layer ({num_layers}), "
+                             f"got {len(kv_caches)}")
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors,
+                          lora)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """This model cut after its first ``num_layers`` decoder layers (a view, no copy).
@@ -379,16 +385,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"num_draft_layers must be an int in [1, {total}] (the model's "
                              f"layers), got {num_layers!r}")
         cls = type(self)
-        # Built without __init__ so that no parameter is allocated: every
-        # submodule is assigned from this model (nn.Module needs its own init).
+        # Built without __init__ (no parameter allocated): every submodule is this model's.
         inner = LlamaModel.__new__(LlamaModel)
         nn.Module.__init__(inner)
         inner.embed_tokens = self.model.embed_tokens
         inner.rotary_emb = self.model.rotary_emb
         inner.layers = self.model.layers[:num_layers]  # a new ModuleList of the same layers
         inner.norm = self.model.norm
-        # One stage holding layers 0 .. num_layers - 1: its forward then runs
-        # exactly those, embeds first and applies the norm last.
+        # One stage of layers 0 .. num_layers - 1: it embeds, runs those, applies the norm.
         inner.start_layer, inner.end_layer = 0, num_layers
         inner.is_first_rank = inner.is_last_rank = True
         inner.features = self.model.features
@@ -411,9 +415,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into our (fused) parameters; their names.
 
-        Skips what the checkpoint may carry that this model does not hold: old
-        RoPE buffers, a tied LM head (the embedding is it) and other pipeline
-        stages' tensors. The rest is :func:`minivllm.model.weights.load_hf_weights`.
+        Skips what the checkpoint may carry that this model does not hold: old RoPE buffers, a
+        tied LM head (the embedding) and other stages' tensors; the rest is ``load_hf_weights``.
         """
         def skip(name: str) -> bool:
             return ("rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name

@@ -62,7 +62,8 @@ class ModelRunner:
         On a pipeline stage before the last it takes the previous stage's
         ``intermediate_tensors`` (None on the first) and returns its own
         :class:`~minivllm.pp_stages.IntermediateTensors`. The step's K/V are
-        written into the cache on the way.
+        written into the cache on the way; ``model_input.lora`` (each token's LoRA
+        slot, or None) goes to the forward, which adds the adapters' deltas.
         """
         return self.model(model_input.input_ids, model_input.positions, self.kv_caches,
-                          model_input.attn_metadata, intermediate_tensors)
+                          model_input.attn_metadata, intermediate_tensors, model_input.lora)

@@ -85,7 +85,7 @@ class Worker:
         #: init_kv_cache
         self.sampler: StepSampler | None = None
         self.speculator: Speculator | None = None  # the sampling worker's, with drafts
-        self.lora_manager = self.lora_context = None
+        self.lora_manager = None
         if config.lora_config is not None:
             self._init_lora(config.lora_config)
         #: how this stage reaches its neighbours (a StageLink between processes, a
@@ -97,9 +97,10 @@ class Worker:
     # -- LoRA adapters ------------------------------------------------------------------
 
     def _init_lora(self, lora_config: Any) -> None:
-        """The adapter slots for this rank's layers and shards, and a hook on every
-        fused projection that adds the step's adapters (:mod:`minivllm.lora.layers`)."""
-        from minivllm.lora.layers import LoRAContext, add_lora_hooks
+        """The adapter slots for this rank's layers and shards, given to the model's
+        projections (:func:`minivllm.lora.layers.enable_lora`): each step's forward then
+        adds the adapters of the step's :class:`~minivllm.lora.mapping.LoRAMapping`."""
+        from minivllm.lora.layers import enable_lora
         from minivllm.lora.manager import LoRAManager
 
         # Where one process computes every rank's output (ref.linear), it holds whole
@@ -109,11 +110,10 @@ class Worker:
             else (0, 1)
         self.lora_manager = LoRAManager(self.hf_config, lora_config, self.dtype, self.device,
                                         tp_rank, tp_size, self.layer_range)
-        self.lora_context = LoRAContext()
         self.lora_requests: dict[int, Any] = {}  # lora_int_id -> LoRARequest
-        add_lora_hooks(self.model, self.lora_context, self.components.lora)
-        # The fast paths (C++ layer stack, CUDA graphs) never call the hooks: a step
-        # with adapters runs the model's own forward (ModelInput.lora, see run_model).
+        # The stacks are filled in place, so the model (and the C++ layer stack, which
+        # binds them when the model runner is built) holds them once, for good.
+        enable_lora(self.model, self.lora_manager.stacks)
 
     def add_lora(self, lora_request: Any) -> None:
         """Load (and check) an adapter into this rank's CPU cache; ``ValueError`` if bad."""
@@ -235,7 +235,7 @@ class Worker:
         if any(step_input.lora_ids):  # the step's adapters into their slots, tokens mapped
             requests = [self.lora_requests[i] if i else None for i in step_input.lora_ids]
             lora = self.lora_manager.prepare_step(requests, step_input.query_lens)
-            model_input = dataclasses.replace(model_input, lora=lora)
+            model_input = dataclasses.replace(model_input, lora=lora.mapping)
         return model_input
 
     def execute_model(self, step_input: StepInput
@@ -326,13 +326,7 @@ class Worker:
         ``intermediate_tensors`` (None on the first) and returns its own; the
         last stage returns the logits of the rows to sample.
         """
-        if self.lora_context is not None:  # what the projections' LoRA hooks add
-            self.lora_context.batch = model_input.lora
-        try:
-            out = self.model_runner.execute_model(model_input, intermediate_tensors)
-        finally:  # a draft model's forward (the same modules, self-speculation) adds none
-            if self.lora_context is not None:
-                self.lora_context.batch = None
+        out = self.model_runner.execute_model(model_input, intermediate_tensors)
         if not self.is_last_rank:
             return out  # IntermediateTensors for the next stage
         return self.model.compute_logits(out[model_input.logits_indices])

@@ -19,6 +19,12 @@
 //     residual += hidden ; hidden = rms_norm(residual)
 //     hidden = silu_and_mul(hidden W_gate_up^T) W_down^T
 //
+// With LoRA adapters (minivllm/lora/layers.py) each of the four projections adds, right after
+// its base matmul, every token's own adapter delta: add_lora (lora.cpp, the op the model's
+// ProjectionLoRA calls) on the layer's stacks, which are bound once (the manager fills their
+// slots in place), and the step's token -> slot map (sorted_tokens, seg_starts, seg_slots;
+// None: no token has an adapter in this step).
+//
 // A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4 weights,
 // quant.cpp; or W8A8 / W4A8, quant_w8a8.cpp: the activations quantized per token first);
 // the Python side (fast/model_runner.py) calls this only where every
@@ -81,6 +87,24 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
   if (!out.is_same(y)) y.copy_(out);
 }
 
+// The step's adapters, if any: y += each token's delta (add_lora) for projection p, whose
+// output slices are lora_a/lora_b/lora_scalings[first[p] : first[p] + lora_slices[p]].
+struct LoRA {
+  at::TensorList a, b, scalings;
+  at::IntArrayRef slices;
+  std::vector<int64_t> first;  // per projection, its first slice
+  const at::Tensor *sorted_tokens = nullptr, *seg_starts = nullptr, *seg_slots = nullptr;
+
+  void add(at::Tensor& y, const at::Tensor& x, int64_t p) const {
+    if (sorted_tokens == nullptr || slices.empty()) return;
+    const int64_t n = slices[p], f = first[p];
+    std::vector<int64_t> widths(n);  // each slice's columns of y
+    for (int64_t i = 0; i < n; ++i) widths[i] = b[f + i].size(2);
+    add_lora(y, x, a.slice(f, n), b.slice(f, n), scalings.slice(f, n), *sorted_tokens,
+             *seg_starts, *seg_slots, widths);
+  }
+};
+
 }  // namespace
 
 std::vector<std::string> decode_layers_kinds() {
@@ -96,7 +120,11 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale,
-                   at::TensorList k_scales, at::TensorList v_scales) {
+                   at::TensorList k_scales, at::TensorList v_scales, at::TensorList lora_a,
+                   at::TensorList lora_b, at::TensorList lora_scalings,
+                   at::IntArrayRef lora_slices, const std::optional<at::Tensor>& sorted_tokens,
+                   const std::optional<at::Tensor>& seg_starts,
+                   const std::optional<at::Tensor>& seg_slots) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one V cache a layer");
   // A quantized cache (int8 / fp8) has its scales beside it, one pair a layer; a float none.
@@ -113,6 +141,29 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
   TORCH_CHECK(hidden.dim() == 2 && hidden.sizes() == residual.sizes() && hidden.is_contiguous() &&
                   residual.is_contiguous(),
               "decode_layers: hidden and residual: (T, hidden), contiguous");
+  LoRA lora{lora_a, lora_b, lora_scalings, lora_slices, {}};
+  if (!lora_slices.empty()) {  // stacks bound: one entry a projection, its slices in order
+    TORCH_CHECK(static_cast<int64_t>(lora_slices.size()) == PROJECTIONS_PER_LAYER * L,
+                "decode_layers: lora_slices: 4 per layer");
+    int64_t total = 0;
+    for (const int64_t n : lora_slices) {
+      lora.first.push_back(total);
+      total += n;
+    }
+    TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == total &&
+                    static_cast<int64_t>(lora_b.size()) == total &&
+                    static_cast<int64_t>(lora_scalings.size()) == total,
+                "decode_layers: lora_a, lora_b, lora_scalings: one per slice");
+  }
+  TORCH_CHECK(sorted_tokens.has_value() == seg_starts.has_value() &&
+                  seg_starts.has_value() == seg_slots.has_value() &&
+                  (!sorted_tokens.has_value() || !lora_slices.empty()),
+              "decode_layers: a LoRA mapping needs all three tensors and the stacks");
+  if (sorted_tokens.has_value()) {
+    lora.sorted_tokens = &*sorted_tokens;
+    lora.seg_starts = &*seg_starts;
+    lora.seg_slots = &*seg_slots;
+  }
   const int64_t T = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = hidden.options();
@@ -133,12 +184,14 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor* w = weights.data() + TENSORS_PER_PROJECTION * PROJECTIONS_PER_LAYER * i;
     const int64_t* kind = kinds.data() + PROJECTIONS_PER_LAYER * i;
+    const int64_t p = PROJECTIONS_PER_LAYER * i;  // this layer's first projection
     if (i == 0) {  // the embeddings are the residual stream
       rms_norm(hidden, residual, norms[0], eps[0]);
     } else {  // residual += hidden; hidden = norm(residual), both in place
       fused_add_rms_norm(hidden, residual, norms[2 * i], eps[2 * i]);
     }
     project(qkv, hidden, kind[0], w);
+    lora.add(qkv, hidden, p);
     rotary_embedding(positions, q, k, cos_sin_cache, is_neox);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
     std::optional<at::Tensor> k_scale, v_scale;
@@ -150,10 +203,13 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
     paged_attention(attn_out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                     scale, /*gemm_prefill=*/true, k_scale, v_scale);
     project(hidden, attn_rows, kind[1], w + TENSORS_PER_PROJECTION);
+    lora.add(hidden, attn_rows, p + 1);
     fused_add_rms_norm(hidden, residual, norms[2 * i + 1], eps[2 * i + 1]);
     project(gate_up, hidden, kind[2], w + 2 * TENSORS_PER_PROJECTION);
+    lora.add(gate_up, hidden, p + 2);
     silu_and_mul(act, gate_up);
     project(hidden, act, kind[3], w + 3 * TENSORS_PER_PROJECTION);
+    lora.add(hidden, act, p + 3);
   }
 }
 

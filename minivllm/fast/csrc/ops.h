@@ -166,7 +166,11 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
                    at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, double scale,
-                   at::TensorList k_scales, at::TensorList v_scales);
+                   at::TensorList k_scales, at::TensorList v_scales, at::TensorList lora_a,
+                   at::TensorList lora_b, at::TensorList lora_scalings,
+                   at::IntArrayRef lora_slices, const std::optional<at::Tensor>& sorted_tokens,
+                   const std::optional<at::Tensor>& seg_starts,
+                   const std::optional<at::Tensor>& seg_slots);
 // The projection kinds decode_layers takes, in the order of their numbers.
 std::vector<std::string> decode_layers_kinds();
 int64_t act_group_size();

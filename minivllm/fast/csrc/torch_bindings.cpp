@@ -53,14 +53,15 @@ TORCH_LIBRARY(minivllm, m) {
       "Tensor scales, Tensor mins, str isa='auto') -> ()");
   m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
   m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
-  // The whole decoder layer stack of a decode step (layer_stack.cpp).
+  // The whole decoder layer stack of a decode step, LoRA deltas included (layer_stack.cpp).
   m.def(
       "decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor cos_sin_cache, bool is_neox, Tensor[] norms, float[] eps, Tensor[] weights, "
       "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
       "int num_kv_heads, int head_dim, float scale, Tensor(e!)[] k_scales, "
-      "Tensor(f!)[] v_scales) -> ()");
+      "Tensor(f!)[] v_scales, Tensor[] lora_a, Tensor[] lora_b, Tensor[] lora_scalings, "
+      "int[] lora_slices, Tensor? sorted_tokens, Tensor? seg_starts, Tensor? seg_slots) -> ()");
   // decode_layers' projection kinds by name, index = the number `kinds` holds; and the
   // activation group of W8A8 / W4A8 (both read by minivllm/fast/linear_kernel.py).
   m.def("decode_layers_kinds() -> str[]", &minivllm::decode_layers_kinds);
