@@ -409,9 +409,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(_Loaded, VocabParallelEmbedding):
     """The projection from hidden states to vocabulary logits, vocabulary split across ranks.
 
-    Each rank computes the logits of its own vocabulary slice; a *gather* to
-    rank 0 concatenates them (there the sampler runs) and the padding columns
-    are cut off. Its weight has the embedding's layout, so tying the two
+    Each rank computes the logits of its own vocabulary slice; an *all-gather*
+    concatenates them on every rank (each rank of the last stage then samples
+    alike, as vLLM v1's do) and the padding columns are cut off. Its weight has the embedding's layout, so tying the two
     (``lm_head.weight = embed_tokens.weight``) works for every ``tp_size``.
     A quantized LM head (``quantization=``) multiplies through :func:`linear`.
     """
@@ -437,13 +437,13 @@ class ParallelLMHead(_Loaded, VocabParallelEmbedding):
             return
         super().weight_loader(param, loaded_weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # (T, dim) -> (T, vocab)
-        """Full logits (never None here; the fast twin returns None on ranks other than 0)."""
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, dim) -> (T, vocab)
+        """Full logits (on every rank: the fast twin all-gathers them)."""
         # BEGIN SOLUTION
         logits = []
         for rank in range(self.tp_size):
             bias = None if self.bias is None else self.bias[rank]
             logits.append(linear(hidden, self.weight[rank], bias))  # (T, V_r)
-        full = torch.cat(logits, dim=-1)  # the gather to rank 0: (T, V_padded)
+        full = torch.cat(logits, dim=-1)  # the all-gather: (T, V_padded)
         return full[..., : self.num_embeddings]  # drop the padding columns
         # END SOLUTION
