@@ -218,7 +218,7 @@ batch = synthetic_input(num_seqs=3, query_len=7, context_len=0, vocab=500)
 real_layers = {"linear": "fast"}  # real one-process-per-rank layers; the kernels stay ref
 with UniProcExecutor(WorkerConfig(str(model_dir)), real_layers) as ex1:
     ex1.init_kv_cache(8, 16)
-    logits_tp1 = ex1.execute_model(batch).result()
+    logits_tp1 = ex1.execute_model(batch).result().logits  # a step without a sampling plan
 stats = distributed.CollectiveStats()  # rank 0's collectives add their calls and time here
 with MultiprocExecutor(WorkerConfig(str(model_dir), tensor_parallel_size=2), real_layers,
                        collective_stats=stats) as ex2:
@@ -229,9 +229,9 @@ with MultiprocExecutor(WorkerConfig(str(model_dir), tensor_parallel_size=2), rea
           "down", tuple(mlp.down_proj.weight.shape),
           f"and {attn.num_heads} of 8 query heads, {attn.num_kv_heads} of 4 KV heads")
     stats.reset()  # only the step below
-    logits_tp2 = ex2.execute_model(batch).result()
+    logits_tp2 = ex2.execute_model(batch).result().logits
 print(f"rank 0 made {stats.calls} collective calls "
-      f"(2 layers x 2 all-reduces + embedding all-reduce + logits gather)")
+      f"(2 layers x 2 all-reduces + embedding all-reduce + logits all-gather)")
 print("max |tp=2 - tp=1| logits:", (logits_tp2 - logits_tp1).abs().max().item())
 assert torch.allclose(logits_tp2, logits_tp1, atol=1e-4)
 

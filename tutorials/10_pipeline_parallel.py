@@ -84,7 +84,7 @@ prefill = synthetic_input(num_seqs=3, query_len=7, context_len=0, vocab=500)
 ref = {name: "ref" for name in backend.COMPONENTS}
 with UniProcExecutor(WorkerConfig(str(model_dir)), ref) as one:
     one.init_kv_cache(8, 16)
-    logits_pp1 = one.execute_model(prefill).result()
+    logits_pp1 = one.execute_model(prefill).result().logits  # a step without a sampling plan
 with UniProcExecutor(WorkerConfig(str(model_dir), pipeline_parallel_size=2), ref) as two:
     two.init_kv_cache(8, 16)
     for w in two.workers:
@@ -114,9 +114,9 @@ assert torch.equal(logits_pp2, logits_pp1)  # the same layers in the same order:
 # Now for real: two processes, each holding one stage
 # (``MultiprocExecutor`` with ``pipeline_parallel_size=2``). Stage 0 runs its layers on a batch and
 # sends the activations on with ``torch.distributed`` point-to-point ``send``;
-# stage 1 receives them, runs its layers and sends the logits back. With ONE
+# stage 1 receives them, runs its layers, samples, and sends the token ids back. With ONE
 # batch in flight, stage 1 waits while stage 0 works and then stage 0 waits for
-# the logits: each stage is idle half the time. vLLM's answer is its *batch
+# the tokens: each stage is idle half the time. vLLM's answer is its *batch
 # queue*: the engine keeps up to ``P`` scheduled batches (of different requests)
 # in flight, ``max_concurrent_batches = pipeline_parallel_size``, so stage 0
 # works on micro-batch 2 while stage 1 works on micro-batch 1.
@@ -234,7 +234,7 @@ print("saved 10_pipeline_bubble.png")
 #   each moving about ``B H b`` bytes per rank (a ring all-reduce on ``t`` ranks
 #   moves ``2 (t-1)/t`` of the buffer) and paying the link's latency twice;
 # - **PP=2** sends ``2 x B x H x b`` bytes (hidden states and residual) ONCE,
-#   from stage 0 to stage 1, and the sampled rows' logits back.
+#   from stage 0 to stage 1, and the sampled token ids back (a few bytes a request).
 #
 # So per step TP moves ``L`` times more bytes and makes ``4L`` times more
 # latency-bound trips. The communication time is ``trips x latency + bytes /

@@ -218,7 +218,7 @@ fig.savefig(figure_path("11_rejection_rule.png"), dpi=120)
 prompt = list(context)
 seq = list(prompt)
 for _ in range(48):  # the target's own greedy continuation, one token a pass
-    logits = worker.execute_model(step_input(len(seq) - 1, [seq[-1]]))
+    logits = worker.execute_model(step_input(len(seq) - 1, [seq[-1]])).logits
     seq.append(int(logits[-1].argmax()))
 greedy_cont = seq[len(prompt):]
 
