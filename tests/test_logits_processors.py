@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kernel_utils import examples
 
 from minivllm import SamplingParams
-from minivllm.engine.logits_shaping import LogitsShaper
+from minivllm.worker.logits_shaping import LogitsShaper
 from minivllm.fast import logits_processors as fast_lp
 from minivllm.logits_processor import (
     BatchUpdate,

@@ -10,8 +10,8 @@
 - :mod:`minivllm.spec_decode.proposer`: the :class:`Proposer` protocol (the
   hook a draft model plugs into), the n-gram proposer, and the
   :class:`Speculator` the engine's step calls (who gets drafts, how many).
-  Verification is the engine's sampling step
-  (:mod:`minivllm.engine.sampling`, the ``rejection_sampler`` component).
+  Verification is the sampling worker's step
+  (:mod:`minivllm.worker.sampling`, the ``rejection_sampler`` component).
 - :mod:`minivllm.spec_decode.backoff`: when a request stops getting drafts.
 - :mod:`minivllm.spec_decode.draft_model`: the draft-model proposer, including
   self-speculation on the target's first ``L`` layers
