@@ -31,6 +31,7 @@ tensors on the world device group (gloo on a CPU, NCCL on CUDA).
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any
 
@@ -129,7 +130,13 @@ class StageLink:
         :class:`~minivllm.step_sampling.ModelRunnerOutput` (its size, then its bytes)."""
         if self.tp_rank != 0:
             return
-        data = torch.frombuffer(bytearray(pickle.dumps(output)), dtype=torch.uint8)
+        try:
+            blob = pickle.dumps(output)
+        except Exception:  # noqa: BLE001 -- a failure's exception rank 0 could not rebuild
+            failures = tuple((rid, RuntimeError(f"{type(e).__name__}: {e}"))
+                             for rid, e in output.failures)
+            blob = pickle.dumps(dataclasses.replace(output, failures=failures))
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         self._isend((size, data), 0, distributed.get_world_cpu_group())
 
