@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from kernel_utils import examples
 
 from minivllm import SamplingParams
-from minivllm.worker.logits_shaping import LogitsShaper
 from minivllm.fast import logits_processors as fast_lp
 from minivllm.logits_processor import (
     BatchUpdate,
@@ -35,6 +34,7 @@ from minivllm.logits_processor import (
 )
 from minivllm.ref import logits_processors as ref_lp
 from minivllm.request import Request
+from minivllm.worker.logits_shaping import LogitsShaper
 
 NEG_INF = float("-inf")
 
