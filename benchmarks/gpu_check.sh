@@ -7,12 +7,14 @@
 #   0. environment: nvidia-smi, versions, missing Python packages (wheels in .whl/ are
 #      installed into /tmp/site if present); a random Llama is built in the background
 #   1. pytest -m cuda --backend=fast        the kernels' full CUDA grid (vLLM's shapes, d 64..128)
-#   2. python -m minivllm.bench kernels     ref vs Triton timings, decode GB/s, prefill vs SDPA
+#   2. pytest -m cuda --backend=fast        the rest of the suite's CUDA tests: the engine end to
+#                                           end with CUDA graphs, the sampler, and the features
+#                                           together (tests/test_cuda_compose.py)
 #   3. python -m minivllm.bench throughput  end to end, --backend ref and fast
-#   4. kernel equivalence tests on CUDA     tests/test_attention.py tests/test_small_kernels.py
-#   5. pytest -m cuda --backend=fast        the rest of the suite's CUDA tests
+#   4. python -m minivllm.bench kernels     ref vs Triton timings, decode GB/s, prefill vs SDPA
+#   5. kernel equivalence tests on CUDA     tests/test_attention.py tests/test_small_kernels.py
 #   6. summary table (printed last); summary, log, plot and a tarball of results/ go to $OUT
-# Budgets (seconds; worst case ~6 minutes in all) can be changed through the environment:
+# Budgets (seconds; worst case ~8 minutes in all) can be changed through the environment:
 # T_GRID T_BENCH T_E2E (each backend) T_TESTS T_OTHER.
 set -u
 
@@ -27,7 +29,7 @@ T_GRID=${T_GRID:-100}
 T_BENCH=${T_BENCH:-80}
 T_E2E=${T_E2E:-50}
 T_TESTS=${T_TESTS:-60}
-T_OTHER=${T_OTHER:-30}
+T_OTHER=${T_OTHER:-150}
 KERNEL_TESTS=(tests/test_attention.py tests/test_small_kernels.py)
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
@@ -96,8 +98,11 @@ MODEL_PID=$!
 step cuda_grid "$T_GRID" $PY -m pytest -q --tb=line -p no:cacheprovider "${PLUGIN[@]}" \
     "${XDIST[@]}" -m cuda --backend=fast "${KERNEL_TESTS[@]}" --junitxml="$RES/junit_cuda.xml"
 
-# ---------------------------------------------------------------------------- 2. kernel bench
-step bench_kernels "$T_BENCH" $PY -m minivllm.bench kernels --out "$RES/bench_kernels.json"
+# ---------------------------------------------------------------------------- 2. other CUDA tests
+step other_cuda "$T_OTHER" $PY -m pytest -q --tb=short -p no:cacheprovider "${PLUGIN[@]}" \
+    "${XDIST[@]}" --continue-on-collection-errors -m cuda --backend=fast \
+    --ignore=tests/test_attention.py --ignore=tests/test_small_kernels.py \
+    --junitxml="$RES/junit_other.xml"
 
 # ---------------------------------------------------------------------------- 3. end to end
 wait "$MODEL_PID" 2>/dev/null
@@ -114,16 +119,13 @@ else
     echo "e2e=skipped" >> "$RES/steps.txt"
 fi
 
-# ---------------------------------------------------------------------------- 4. kernel tests
+# ---------------------------------------------------------------------------- 4. kernel bench
+step bench_kernels "$T_BENCH" $PY -m minivllm.bench kernels --out "$RES/bench_kernels.json"
+
+# ---------------------------------------------------------------------------- 5. kernel tests
 step kernel_tests "$T_TESTS" $PY -m pytest -q --tb=line -p no:cacheprovider "${PLUGIN[@]}" \
     "${XDIST[@]}" --backend=fast -m "not cuda" "${KERNEL_TESTS[@]}" \
     --junitxml="$RES/junit_kernels.xml"
-
-# ---------------------------------------------------------------------------- 5. other CUDA tests
-step other_cuda "$T_OTHER" $PY -m pytest -q --tb=line -p no:cacheprovider "${PLUGIN[@]}" \
-    "${XDIST[@]}" --continue-on-collection-errors -m cuda --backend=fast \
-    --ignore=tests/test_attention.py --ignore=tests/test_small_kernels.py \
-    --junitxml="$RES/junit_other.xml"
 
 # ---------------------------------------------------------------------------- 6. summary
 echo "total wall time: $(( $(date +%s) - START )) s"
