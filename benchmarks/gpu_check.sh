@@ -93,6 +93,9 @@ MODEL_DIR=/tmp/minivllm_gpu_check_model
 ( timeout 120 $PY benchmarks/gpu_check.py make-model "$MODEL_DIR" > "$RES/make_model.log" 2>&1;
   echo "make-model exit $?" >> "$RES/make_model.log" ) &
 MODEL_PID=$!
+# The C++ CPU ops (the kernel tests' CPU side), built on the machine's cores meanwhile.
+( timeout 300 $PY -m minivllm.fast.cpu_ops > "$RES/cpu_ops_build.log" 2>&1;
+  echo "cpu_ops build exit $?" >> "$RES/cpu_ops_build.log" ) &
 
 # ---------------------------------------------------------------------------- 1. CUDA grid
 step cuda_grid "$T_GRID" $PY -m pytest -q --tb=line -p no:cacheprovider "${PLUGIN[@]}" \
@@ -123,6 +126,7 @@ fi
 step bench_kernels "$T_BENCH" $PY -m minivllm.bench kernels --out "$RES/bench_kernels.json"
 
 # ---------------------------------------------------------------------------- 5. kernel tests
+tail -1 "$RES/cpu_ops_build.log" 2>/dev/null
 step kernel_tests "$T_TESTS" $PY -m pytest -q --tb=line -p no:cacheprovider "${PLUGIN[@]}" \
     "${XDIST[@]}" --backend=fast -m "not cuda" "${KERNEL_TESTS[@]}" \
     --junitxml="$RES/junit_kernels.xml"
