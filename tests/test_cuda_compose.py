@@ -42,6 +42,9 @@ SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_looku
 
 
 def gpu_llm(path, **kw):
+    """An engine on the GPU with a fixed KV pool: several test processes share one GPU,
+    and a pool sized by ``gpu_memory_utilization`` would take what the others need."""
+    kw.setdefault("num_gpu_blocks_override", 256)
     return make_llm(path, device=DEVICE, **kw)
 
 
@@ -129,7 +132,8 @@ def test_regex_answer_equals_the_ref_engine_on_the_cpu(tiny_model_dir):
     prompts = ["hello", "The answer is ", "{"]
     texts = {}
     for device, spec in ((DEVICE, None), ("cpu", "ref")):
-        llm = make_llm(path, device=device, block_size=8, **({"backend": spec} if spec else {}))
+        llm = (gpu_llm(path, block_size=8) if spec is None else
+               make_llm(path, device=device, block_size=8, backend=spec))
         texts[device] = [o.outputs[0].text for o in llm.generate(prompts, params,
                                                                   use_tqdm=False)]
         assert all_blocks_back(llm)
