@@ -82,6 +82,10 @@ class SchedulerConfig:
         policy: vLLM's ``scheduling_policy``: ``"fcfs"`` (first come, first served)
             or ``"priority"`` (waiting requests by ``(priority, arrival_time)``,
             lower first; the running request with the largest is preempted first).
+        max_loras: most distinct LoRA adapters among the running requests (the
+            device's adapter slots, ``LoRAConfig.max_loras``); None without LoRA.
+            A waiting request whose adapter would be one too many is skipped at
+            admission and keeps its place (vLLM's scheduler does the same).
     """
 
     max_num_seqs: int = 256
@@ -90,6 +94,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0
     policy: str = "fcfs"
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.policy in SCHEDULING_POLICIES, "policy", self.policy,
@@ -104,5 +109,8 @@ class SchedulerConfig:
             ">= 1",
         )
         _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _require(self.max_loras is None or (isinstance(self.max_loras, int)
+                                            and self.max_loras >= 1),
+                 "max_loras", self.max_loras, "None or an int >= 1")
         check_chunked_prefill(self.enable_chunked_prefill, self.max_num_batched_tokens,
                               self.max_model_len)

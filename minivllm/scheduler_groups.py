@@ -1,12 +1,12 @@
-"""What the engine asks of a scheduler beyond the textbook loop: forks, requeues, drafts, holds.
+"""What the engine asks of a scheduler beyond the textbook loop: forks, requeues, drafts.
 
 :class:`GroupScheduling` is a mixin of :class:`minivllm.ref.scheduler.Scheduler`
 (and so of its fast twin): none of it is part of the course's scheduler task.
 The engine calls these between steps for the requests of a parallel-sampling
 group (``SamplingParams.n > 1``) and of a beam search
 (:mod:`minivllm.engine.sequence_groups`), to hand over the drafts the worker
-proposed (speculative decoding), and to hold a LoRA request whose adapter has
-no slot yet (:mod:`minivllm.engine.lora_requests`). It uses the
+proposed (speculative decoding). (LoRA's ``max_loras`` is the textbook
+loop's own admission rule.) It uses the
 scheduler's ``running``, ``waiting``, ``requests``, ``finished_req_ids``,
 ``kv_cache_manager``, ``max_model_len``, ``scheduler_config`` and its
 ``_free_request`` / ``_remove_from_running`` hooks.
@@ -68,18 +68,6 @@ class GroupScheduling:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = list(drafts)
-
-    def withdraw(self, request_id: str) -> Request:
-        """Take a waiting request back out of the scheduler, untouched (the engine holds a
-        LoRA request whose adapter has no slot yet, and queues it again with
-        :meth:`requeue`)."""
-        request = self.requests[request_id]
-        if request.status != RequestStatus.WAITING:
-            raise ValueError(f"request {request_id!r} is not waiting; only a waiting "
-                             "request can be withdrawn")
-        self.waiting.remove(request)
-        del self.requests[request_id]
-        return request
 
     def requeue(self, request_ids: Iterable[str], *, to_front: bool = True,
                 new_requests: Iterable[Request] = ()) -> None:

@@ -5,8 +5,9 @@ PEFT's loader) run greedily with a plain argmax loop (no cache), one prompt
 and one adapter at a time. The engine gets a mixed batch: prompts under
 different adapters and under none, in one ``generate`` call, and must give
 each prompt exactly its oracle's tokens (float32). ``max_loras`` below the
-number of adapters forces slot reuse (the LRU) and the engine's holding back
-of requests whose adapter has no slot; a tiny KV pool forces preemption and a
+number of adapters forces slot reuse (the LRU) and the scheduler's passing
+over of requests whose adapter has no slot (the manager refuses a step with
+more adapters than slots, so every passing case shows the rule held); a tiny KV pool forces preemption and a
 small token budget chunked prefill. Prefix caching with the same prompt under
 two adapters must not share their blocks.
 """
@@ -55,7 +56,7 @@ def run_mixed(llm, adapters, prompts, names) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {"max_loras": 6}),
-    ("qwen2", {"max_loras": 2}),  # fewer slots than adapters: LRU, held requests
+    ("qwen2", {"max_loras": 2}),  # fewer slots than adapters: LRU, requests passed over
     ("llama", {"max_loras": 3, "num_gpu_blocks_override": 14, "max_num_batched_tokens": 7,
                "block_size": 2}),  # preemption and chunked prefill
 ])

@@ -387,8 +387,7 @@ class AsyncLLM:
             if action == "add":
                 self.engine.lora.check(arg)
             elif any(r.lora_request is not None and r.lora_request.lora_int_id == arg
-                     for r in self.engine.scheduler.requests.values()) or any(
-                    r.lora_request.lora_int_id == arg for r in self.engine.lora.held):
+                     for r in self.engine.scheduler.requests.values()):
                 return ValueError(f"adapter {arg} is in use by a request; retry when it is done")
             elif not self.engine.lora.remove(arg):
                 return ValueError(f"no adapter with lora_int_id {arg} is loaded")

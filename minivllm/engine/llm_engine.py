@@ -110,6 +110,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_lookahead_tokens=num_lookahead_tokens(spec),
             policy=config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         self.cache_config = CacheConfig(config.block_size, num_blocks,
                                         config.enable_prefix_caching)
@@ -136,7 +137,7 @@ class LLMEngine:
                              "has none")
         self.lora = LoRARequests(config.lora_config(), self.executor)
         self.updater = StepUpdater(self.scheduler, self.output_processor, self.planner,
-                                   self.groups, self.structured, self.lora, self.tokenizer,
+                                   self.groups, self.structured, self.tokenizer,
                                    self.executor.config.num_speculative_tokens)
         self._rows_to_rebuild: set[str] = set()  # forked, not scheduled since
         self._forks = hasattr(self.scheduler, "take_block_changes")  # a student's may not
@@ -188,7 +189,6 @@ class LLMEngine:
         grammar = self.structured.compile(sampling_params)  # ValueError naming the field
         self.scheduler.add_request(request)  # raises ValueError if it can never fit
         # Nothing below can fail: the request is now in the engine, whole.
-        self.lora.hold_if_needed(request, self.scheduler)  # its adapter needs a free slot
         self.output_processor.states[request_id] = state
         self.structured.add(request_id, grammar)
         return request_id
@@ -230,7 +230,6 @@ class LLMEngine:
                 self.updater.forget(cid)
             self.groups.forget(request_id)
             raise
-        self.lora.hold_if_needed(first, self.scheduler)
         if grammar is not None:  # each child from the same start state, its own copy
             for i, cid in enumerate(self.groups.member_ids(request_id)):
                 self.structured.add(cid, grammar if i == 0 else grammar.fork())
@@ -259,7 +258,6 @@ class LLMEngine:
         except BaseException:
             self.groups.forget(request_id)
             raise
-        self.lora.hold_if_needed(first, self.scheduler)
         self.structured.add(first.request_id, grammar)  # each beam forks its parent's
         return request_id
 
@@ -274,15 +272,12 @@ class LLMEngine:
             else:
                 members.append(rid)
         self.scheduler.finish_requests(members, RequestStatus.FINISHED_ABORTED)
-        if self.lora.held:
-            self.lora.abort(set(members))
         for rid in members:
             self.updater.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request waits, runs, or has a step in flight."""
-        return (bool(self.in_flight) or self.scheduler.has_unfinished_requests()
-                or self.updater.has_held())
+        return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
 
     # -- the step ---------------------------------------------------------------
 
@@ -303,7 +298,6 @@ class LLMEngine:
         spec_stats = SpecStats()
         so = None
         if len(self.in_flight) < self.executor.max_concurrent_batches:
-            self.updater.before_schedule()
             with op_range("schedule"):
                 in_flight = {r.request_id for item in self.in_flight
                              for r in item.scheduler_output.scheduled}

@@ -15,9 +15,8 @@
   ``RequestOutput`` objects; a group's members' outputs merged into one.
 
 It also holds what a request leaving the engine touches (:meth:`forget`,
-:meth:`fail`) and the two admission hooks that still sit in front of the
-scheduler (a LoRA request held for want of a slot, a beam group that steps
-aside when nothing could be scheduled).
+:meth:`fail`) and the one hook that still sits beside the scheduler: a beam
+group that steps aside when nothing could be scheduled.
 """
 
 from __future__ import annotations
@@ -43,16 +42,15 @@ class StepUpdater:
             the worker has heard of each request).
         groups: parallel sampling and beam search groups.
         structured: the constrained requests' grammars.
-        lora: the LoRA requests held for want of a slot.
         tokenizer: detokenizes a beam search's finished sequences.
         num_speculative_tokens: ``k`` (the verification counts' length).
     """
 
     def __init__(self, scheduler: Any, output_processor: Any, planner: Any, groups: Any,
-                 structured: Any, lora: Any, tokenizer: Any,
+                 structured: Any, tokenizer: Any,
                  num_speculative_tokens: int) -> None:
         self.scheduler, self.output_processor, self.planner = scheduler, output_processor, planner
-        self.groups, self.structured, self.lora = groups, structured, lora
+        self.groups, self.structured = groups, structured
         self.tokenizer = tokenizer
         self.num_speculative_tokens = num_speculative_tokens
 
@@ -71,15 +69,6 @@ class StepUpdater:
         return output
 
     # -- around the scheduler ------------------------------------------------------------
-
-    def has_held(self) -> bool:
-        """Whether requests wait outside the scheduler (a LoRA adapter without a slot)."""
-        return bool(self.lora.held)
-
-    def before_schedule(self) -> None:
-        """Queue the held LoRA requests whose adapter now has a slot."""
-        if self.lora.held:
-            self.lora.release(self.scheduler)
 
     def when_idle(self, in_flight: bool) -> None:
         """Nothing could be scheduled: idle beams that wait for a member step aside."""

@@ -262,8 +262,11 @@ class LoRAManager:
         """
         needed = list(dict.fromkeys(r.lora_int_id for r in lora_requests if r is not None))
         if len(needed) > self.lora_config.max_loras:
-            raise ValueError(f"this step needs {len(needed)} distinct adapters {needed}, above "
-                             f"max_loras={self.lora_config.max_loras}")
+            raise ValueError(
+                f"this step needs {len(needed)} distinct adapters {needed}, above "
+                f"max_loras={self.lora_config.max_loras}: the scheduler must skip a waiting "
+                "request whose adapter has no slot (SchedulerConfig.max_loras, "
+                "Scheduler._has_lora_slot)")
         # Touch the cached ones first, so that loading the others evicts none of them.
         for lora_id in needed:
             if lora_id in self._cpu_cache:

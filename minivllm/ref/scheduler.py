@@ -21,6 +21,13 @@ decoding. One step (:meth:`Scheduler.schedule`):
    left is split (**chunked prefill**); the first request that does not fit
    stops admission (no skipping ahead, so nobody starves).
 
+**LoRA slots** (``SchedulerConfig.max_loras``, vLLM's rule). A step can serve
+only the adapters in the device's ``max_loras`` slots, so the running requests
+hold at most that many distinct adapters. A waiting request whose adapter would
+be one too many (:meth:`Scheduler._has_lora_slot`) is skipped: it keeps its
+place at the head of the queue, the requests behind it may be admitted, and it
+is admitted once a running request's finish or preemption frees a slot.
+
 **Scheduling policy** (``SchedulerConfig.policy``, vLLM's ``--scheduling-policy``).
 Under ``"fcfs"`` (the default) ``waiting`` is a deque and the victim of a
 preemption is the tail of ``running``, as above. Under ``"priority"`` ``waiting``
@@ -263,10 +270,14 @@ class Scheduler(GroupScheduling):
             req_index += 1
 
         # 2. Waiting requests, first come first served, if nothing was preempted.
+        skipped: list[Request] = []  # their adapter has no slot: they keep their place
         while self.waiting and token_budget > 0 and not preempted_req_ids:
             if len(self.running) >= self.scheduler_config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if not self._has_lora_slot(request):
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
                 request
             )
@@ -296,6 +307,7 @@ class Scheduler(GroupScheduling):
             new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(
                 request.request_id)
             token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             scheduled_requests=scheduled_running + scheduled_new,
@@ -312,6 +324,17 @@ class Scheduler(GroupScheduling):
         self.finished_req_ids = []
         return output
         # END SOLUTION
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """Whether ``request`` may start now under ``SchedulerConfig.max_loras``: it has no
+        adapter, or its adapter is already among the running requests', or those hold
+        fewer than ``max_loras`` distinct adapters (vLLM's admission rule)."""
+        max_loras = self.scheduler_config.max_loras
+        if request.lora_request is None or max_loras is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running
+                   if r.lora_request is not None}
+        return request.lora_request.lora_int_id in running or len(running) < max_loras
 
     def _priority_victim(self, in_flight: Collection[str]) -> Request:
         """Under the ``priority`` policy, the running request to preempt when the pool is

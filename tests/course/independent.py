@@ -17,8 +17,9 @@ calls it; both are written unlike it on purpose:
   plus the new blocks, and ``update_from_output`` reading the output's frozen
   snapshots (``SchedulerOutput.scheduled``).
 
-``older=True`` writes them to the previous round's signatures (no
-``num_lookahead_tokens``, no ``in_flight``): the engine must still take them.
+``older=True`` writes them to the previous rounds' handouts (no
+``num_lookahead_tokens``, no ``in_flight``, no ``max_loras`` rule): the engine
+must still take them.
 """
 
 from __future__ import annotations
@@ -146,10 +147,14 @@ def _schedule(self, *, in_flight=frozenset()):
         request.spec_token_ids = []
         plan[request.request_id] = (request, n, blocks, drafts)
         spent += n
+    no_slot = []  # LoRA: their adapter would be one too many; they keep their place
     while self.waiting and not preempted and spent < cfg.max_num_batched_tokens:
         if len(self.running) >= cfg.max_num_seqs:
             break
         request = self.waiting[0]
+        if LORA_SLOTS and not self._has_lora_slot(request):
+            no_slot.append(self.waiting.popleft())
+            continue
         hits, cached = kv.get_computed_blocks(request)
         n = request.num_tokens - cached
         if n > cfg.max_num_batched_tokens - spent:
@@ -166,6 +171,8 @@ def _schedule(self, *, in_flight=frozenset()):
         plan[request.request_id] = (request, n, [*hits, *blocks], [])
         admitted.append(request)
         spent += n
+    for request in reversed(no_slot):
+        self.waiting.appendleft(request)
     finished, self.finished_req_ids = self.finished_req_ids, []
     return _Output(
         scheduled_requests=[p[0] for p in plan.values()],
@@ -249,6 +256,7 @@ def build(component: str, dest: Path, package: str, older: bool = False,
         skeleton = (kit / "scheduler.py").read_text()
         schedule = "lambda self: _schedule(self)" if older else "_schedule"
         methods = SCHEDULER_METHODS.replace("SCHEDULE", schedule)
+        methods = methods.replace("LORA_SLOTS", "False" if older else "True")
         if filled_in:
             methods = methods.replace("\n\nScheduler.schedule", FILLED_IN_OUTPUT + "\n\nScheduler.schedule")
         (pkg / "scheduler.py").write_text(skeleton + "\n\n" + textwrap.dedent(methods))

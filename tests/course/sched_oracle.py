@@ -7,6 +7,9 @@ without consulting the ref:
 
 - no request is admitted in a step that preempted one;
 - the token budget and ``max_num_seqs`` hold; admission is first come, first served;
+- with LoRA adapters (``loras=True``): the running requests hold at most
+  ``max_loras`` distinct adapters, and a waiting request is passed over only
+  when its adapter would be one too many (vLLM's rule);
 - a prefix-cache hit only ever reuses K/V computed for exactly the same tokens
   at the same positions (every cache slot remembers the token prefix it was
   computed under);
@@ -21,6 +24,7 @@ from collections import Counter
 
 from minivllm import SamplingParams, backend
 from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.lora.request import LoRARequest
 from minivllm.request import Request
 
 EOS = 0
@@ -28,10 +32,11 @@ EOS = 0
 
 def make_scheduler(block_size: int, num_blocks: int, max_num_seqs: int, budget: int,
                    max_model_len: int, chunked: bool = True, caching: bool = True,
-                   kv_manager_only: bool = False):
+                   kv_manager_only: bool = False, max_loras: int | None = None):
     """The scheduler under test (``backend.get("scheduler")``); with ``kv_manager_only``,
     the ref scheduler and allocator around the KV cache manager under test."""
-    configs = (SchedulerConfig(max_num_seqs, budget, max_model_len, chunked),
+    configs = (SchedulerConfig(max_num_seqs, budget, max_model_len, chunked,
+                               max_loras=max_loras),
                CacheConfig(block_size, num_blocks, caching))
     if kv_manager_only:
         return ref_scheduler_with_kv_manager(*configs)
@@ -48,8 +53,45 @@ def ref_scheduler_with_kv_manager(scheduler_config: SchedulerConfig, cache_confi
         return ref_scheduler.Scheduler(scheduler_config, cache_config, kv_cache_manager_cls=kv_cls)
 
 
-def request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS)
+def request(req_id: str, prompt: list[int], max_tokens: int, adapter: int = 0) -> Request:
+    """A request; ``adapter`` > 0: under the LoRA adapter with that id."""
+    lora = None if adapter == 0 else LoRARequest(f"adapter{adapter}", adapter, "/nowhere")
+    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS,
+                   lora_request=lora)
+
+
+def adapter_of(r: Request) -> int:
+    return 0 if r.lora_request is None else r.lora_request.lora_int_id
+
+
+def check_admission(waiting_before: list[Request], running_before: list[Request],
+                    new: list[str], max_loras: int | None, step: int) -> int:
+    """The admitted requests are the waiting ones in order, passing over only those whose
+    adapter had no slot when their turn came (none without ``max_loras``); returns how
+    many were passed over."""
+    running = {adapter_of(r) for r in running_before} - {0}
+    order = iter(new)
+    expected = next(order, None)
+    passed_over = 0
+    for r in waiting_before:
+        if expected is None:
+            break
+        if r.request_id == expected:
+            running.add(adapter_of(r))
+            running.discard(0)
+            expected = next(order, None)
+            continue
+        a = adapter_of(r)
+        passed_over += 1
+        assert max_loras is not None and a != 0 and a not in running \
+            and len(running) >= max_loras, (
+                f"step {step}: {r.request_id} (adapter {a or 'none'}) was passed over, but "
+                f"admission is first come, first served"
+                + (f" and the running adapters {sorted(running)} leave it a slot "
+                   f"(max_loras={max_loras})" if max_loras is not None else ""))
+    assert expected is None, (f"step {step}: admitted {new} out of first-come-first-served "
+                              f"order {[r.request_id for r in waiting_before]}")
+    return passed_over
 
 
 class SlotContents:
@@ -86,16 +128,21 @@ def check_pool(sched, num_blocks: int, step: int) -> None:
 
 
 def run_traffic(seed: int, caching: bool = True, steps: int = 80,
-                kv_manager_only: bool = False) -> dict[str, int]:
-    """One deterministic random run; returns counts of the rare events it reached."""
+                kv_manager_only: bool = False, loras: bool = False) -> dict[str, int]:
+    """One deterministic random run; returns counts of the rare events it reached.
+
+    ``loras``: requests come under three adapters or none, and ``max_loras`` is 1 or 2.
+    """
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 3, 4])
     max_model_len = rng.randint(8, 24)
     num_blocks = -(-max_model_len // block_size) + rng.randint(0, 1)
     budget = rng.randint(2, 16)
     max_num_seqs = rng.randint(2, 5)
+    max_loras = rng.randint(1, 2) if loras else None
     sched = make_scheduler(block_size, num_blocks, max_num_seqs, budget, max_model_len,
-                           caching=caching, kv_manager_only=kv_manager_only)
+                           caching=caching, kv_manager_only=kv_manager_only,
+                           max_loras=max_loras)
     contents = SlotContents()
     prefixes = [[rng.randint(1, 9) for _ in range(8)] for _ in range(2)]
     prompts: list[list[int]] = []
@@ -117,20 +164,27 @@ def run_traffic(seed: int, caching: bool = True, steps: int = 80,
                     rng.randint(1, 9) for _ in range(rng.randint(1, 5))]
             prompt = prompt[: max_model_len - 1]
             try:
-                sched.add_request(request(f"r{next_id}", prompt, rng.randint(1, 6)))
+                adapter = rng.randint(0, 3) if loras else 0
+                sched.add_request(request(f"r{next_id}", prompt, rng.randint(1, 6), adapter))
                 prompts.append(prompt)
             except ValueError:
                 pass
             next_id += 1
-        waiting_before = [r.request_id for r in sched.waiting]
-        running_before = {r.request_id for r in sched.running}
+        waiting_before = list(sched.waiting)
+        running_list = list(sched.running)
+        running_before = {r.request_id for r in running_list}
         out = sched.schedule()
         ids = [r.request_id for r in out.scheduled_requests]
         new = [i for i in ids if i not in running_before]
         assert out.total_num_scheduled_tokens <= budget, f"step {step}: over the token budget"
         assert len(sched.running) <= max_num_seqs, f"step {step}: over max_num_seqs"
-        assert new == waiting_before[: len(new)], (
-            f"step {step}: admitted {new} out of first-come-first-served order {waiting_before}")
+        seen["lora_skips"] += check_admission(waiting_before, running_list, new, max_loras, step)
+        adapters = {adapter_of(r) for r in sched.running} - {0}
+        if max_loras is not None:
+            assert len(adapters) <= max_loras, (
+                f"step {step}: the running requests hold adapters {sorted(adapters)}, "
+                f"more than max_loras={max_loras}")
+
         if out.preempted_req_ids:
             seen["preemptions"] += 1
             assert not new, (f"step {step}: admitted {new} in a step that preempted "

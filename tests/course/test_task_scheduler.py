@@ -35,3 +35,32 @@ def test_the_traffic_reaches_the_rare_paths():
     seen = [run_traffic(seed, caching=seed % 4 != 0) for seed in range(40)]
     assert sum(s.get("preemptions", 0) for s in seen) >= 10
     assert sum(s.get("prefix_hits", 0) for s in seen) >= 10
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lora_slots_hold_under_random_traffic(seed):
+    """Requests under three adapters or none, ``max_loras`` 1 or 2: the running requests
+    never hold more adapters than that, and a waiting request is passed over only when
+    its adapter has no slot (vLLM's rule; docs/course/05_scheduler.md)."""
+    run_traffic(seed, caching=seed % 3 != 0, loras=True)
+
+
+def test_lora_slots_keep_a_passed_over_request_first_in_line():
+    # max_loras = 1, a budget of 3 tokens. a (adapter 1) runs; b (adapter 2) has no slot
+    # and is passed over; c (no adapter) and d (adapter 1) behind it start, which spends
+    # the budget, so e waits too, behind b. Once a, c and d finish, b starts first.
+    sched = make_scheduler(4, 16, 8, 3, 32, max_loras=1)
+    for rid, adapter in (("a", 1), ("b", 2), ("c", 0), ("d", 1), ("e", 3)):
+        sched.add_request(request(rid, [ord(rid)], 1, adapter=adapter))
+    out = sched.schedule()
+    assert [r.request_id for r in out.scheduled_requests] == ["a", "c", "d"]
+    assert [r.request_id for r in sched.waiting] == ["b", "e"], "b keeps its place in line"
+    sched.update_from_output(out, {"a": 7, "c": 7, "d": 7})  # max_tokens 1: all finish
+    out = sched.schedule()
+    assert [r.request_id for r in out.scheduled_requests] == ["b"]
+    assert [r.request_id for r in sched.waiting] == ["e"]
+
+
+def test_the_lora_traffic_passes_requests_over():
+    seen = [run_traffic(seed, caching=seed % 3 != 0, loras=True) for seed in range(20)]
+    assert sum(s.get("lora_skips", 0) for s in seen) >= 10
