@@ -144,6 +144,17 @@ class Request:
     def get_finished_reason(self) -> str | None:
         return RequestStatus.finish_reason(self.status)
 
+    def branch(self, request_id: str, token_ids: list[int]) -> Request:
+        """A new request that continues this one: the same prompt, parameters and adapter,
+        its output tokens so far plus ``token_ids`` (a beam search's new beam). Nothing is
+        computed or scheduled yet; this request is unchanged."""
+        child = Request(request_id, self.prompt_token_ids, self.sampling_params,
+                        self.eos_token_id, lora_request=self.lora_request,
+                        priority=self.priority)
+        child.output_token_ids = [*self.output_token_ids, *token_ids]
+        child.all_token_ids = [*self.all_token_ids, *token_ids]
+        return child
+
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -60,6 +60,18 @@ class GroupScheduling:
                 return True
         return False
 
+    def add_continued(self, request: Request, token_ids: list[int]) -> bool:
+        """Queue a group member the scheduler does not hold yet at the front of the queue,
+        once ``token_ids`` (tokens chosen for it outside its own step: a sibling's first
+        token, sampled from child 0's row) are appended, the stop rules after each. True if
+        a token ended it: it is then never queued."""
+        for token_id in token_ids:
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                return True
+        self.requeue((), new_requests=[request])
+        return False
+
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Speculative decoding: the drafts the worker proposed, for each request's next
         step (vLLM v1's name). A request that finished or left ``running`` meanwhile

@@ -135,8 +135,7 @@ NOT_A_REQUEST = {
     "worker/sampling.py": "the sampling worker's own copy of a request (CachedRequestState)",
 }
 #: Who changes a live Request today, as docs/architecture.md says.
-REQUEST_WRITERS = {"ref/scheduler.py", "scheduler_groups.py", "engine/output_processor.py",
-                   "engine/sequence_groups.py"}
+REQUEST_WRITERS = {"ref/scheduler.py", "scheduler_groups.py"}
 
 
 def _writes_request_state(tree: ast.AST) -> bool:

@@ -124,7 +124,9 @@ def test_a_build_killed_then_interrupted_is_finished_by_the_next_run(tmp_path):
     interrupted = _start_build(tmp_path, name)
     err = _kill_while_compiling(interrupted, signal.SIGINT)
     assert interrupted.returncode != 0
-    assert "KeyboardInterrupt" in err, err[-2000:]
+    # Python gets the KeyboardInterrupt, unless the compiler (in the same group) dies of
+    # the signal first and the build fails with ninja's error (seen on a loaded machine).
+    assert "KeyboardInterrupt" in err or "returned non-zero exit status" in err, err[-2000:]
     assert not lock.exists(), "an interrupted build must release its lock"
 
     final = _start_build(tmp_path, name)

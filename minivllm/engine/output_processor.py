@@ -219,6 +219,9 @@ class RequestState:
         self.prompt_logprobs_sent = False  # DELTA: they go out once, whole
         self.num_prompt_logprobs = getattr(sampling_params, "prompt_logprobs", None)
         self.error: Exception | None = None  # a failure found outside _advance
+        # Set when a stop string ended it: its output tokens up to the stop (a speculative
+        # run may have appended more to the request; they are not part of its output).
+        self.num_kept_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -271,19 +274,15 @@ class OutputProcessor:
                 logprobs = self._logprob_dict(req.sampling_params.logprobs, *lp_rows[i])
                 state.logprobs.append(logprobs)
                 state.cumulative_logprob += logprobs[token].logprob
-            stop_str = state.detokenizer.update([token])
-            if stop_str is None:
+            if state.detokenizer.update([token]) is None:
                 continue
-            req.stop_reason = stop_str
-            num_after = len(tokens) - 1 - i
-            if num_after:
-                del req.output_token_ids[-num_after:]
-                del req.all_token_ids[-num_after:]
+            # A stop string: the request ends at this token. The tokens after it (a
+            # speculative run) are left out of its output, and the scheduler ends it
+            # unless it ended this step anyway (at a later token, or this one).
+            state.num_kept_tokens = req.num_output_tokens - (len(tokens) - 1 - i)
             if req.request_id not in finished:
                 scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 finished.add(req.request_id)
-            elif num_after:  # the scheduler stopped it at a later token
-                req.status = RequestStatus.FINISHED_STOPPED
             break
         return self._output(req, state, req.request_id in finished)
 
@@ -292,7 +291,6 @@ class OutputProcessor:
         logger.warning("minivllm: request %r failed and was aborted: %s: %s",
                        req.request_id, type(error).__name__, error)
         scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
-        req.status = RequestStatus.FINISHED_ERROR  # also if it had finished this step
         state = self.states.get(req.request_id)
         delta = state is not None and state.output_kind == RequestOutputKind.DELTA
         first = state.num_sent_tokens if delta else 0
@@ -303,7 +301,7 @@ class OutputProcessor:
             token_ids=req.output_token_ids[first:],
             cumulative_logprob=None if state is None else state.cumulative_logprob,
             logprobs=None,
-            finish_reason=req.get_finished_reason(),
+            finish_reason="error",  # also if it had finished this step
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -357,7 +355,7 @@ class OutputProcessor:
     def _output(self, req: Request, state: RequestState,
                 finished: bool) -> RequestOutput | None:
         """This step's output for ``req`` in its ``output_kind`` (None: nothing to report)."""
-        kind = state.output_kind
+        kind, stop_str = state.output_kind, state.detokenizer.stop_reason
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if kind == RequestOutputKind.DELTA:
@@ -367,7 +365,8 @@ class OutputProcessor:
         else:
             first = 0
             text = state.detokenizer.output_text
-        state.num_sent_tokens = req.num_output_tokens
+        kept = req.num_output_tokens if state.num_kept_tokens is None else state.num_kept_tokens
+        state.num_sent_tokens = kept
         prompt_logprobs = state.prompt_logprobs
         if prompt_logprobs is not None and (len(prompt_logprobs) < req.num_prompt_tokens or (
                 kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent)):
@@ -376,11 +375,13 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=req.output_token_ids[first:],
+            token_ids=req.output_token_ids[first:kept],
             cumulative_logprob=state.cumulative_logprob,
             logprobs=None if state.logprobs is None else state.logprobs[first:],
-            finish_reason=req.get_finished_reason() if finished else None,
-            stop_reason=req.stop_reason if finished else None,
+            finish_reason=None if not finished else (
+                "stop" if stop_str is not None else req.get_finished_reason()),
+            stop_reason=None if not finished else (
+                stop_str if stop_str is not None else req.stop_reason),
         )
         return RequestOutput(
             request_id=req.request_id,

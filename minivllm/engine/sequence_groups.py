@@ -39,7 +39,7 @@ from typing import Any
 
 from minivllm.config import cdiv
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.request import Request, RequestStatus, check_stop
+from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -230,12 +230,8 @@ class SequenceGroups:
             # Child 0 ended at its first token (no blocks to share), or no room to run
             # another request now: the sibling waits as a request of its own (prompt +
             # its first token), at the front of the queue, unless it ended too.
-            for t in tokens:
-                request.append_output_token_ids(t)
-            if check_stop(request, self.scheduler.max_model_len):
+            if self.scheduler.add_continued(request, tokens):
                 finished.add(request.request_id)
-            else:
-                self.scheduler.requeue((), new_requests=[request])
         return finished
 
     def ranked(self, reqs: list[Request]) -> list[tuple[str, int, float]]:
@@ -347,17 +343,12 @@ class SequenceGroups:
             parent = beam.request
             picks = chosen.get(b, [])
             for score, t in picks[1:]:  # fork before the parent takes its own token
-                child = Request(search.new_beam_id(), search.prompt_token_ids,
-                                search.sampling_params, parent.eos_token_id,
-                                lora_request=parent.lora_request)
-                for own in parent.output_token_ids:
-                    child.append_output_token_ids(own)
+                child = parent.branch(search.new_beam_id(), [] if fork else [t])
                 self.beams[child.request_id] = search
                 self._grammars_take(parent.request_id, t, child.request_id)
                 if fork:
                     self.scheduler.fork_request(parent, child, [t])
                 else:
-                    child.append_output_token_ids(t)
                     children.append(child)
                 beams.append((score, b, _Beam(child, score)))
             if picks:
