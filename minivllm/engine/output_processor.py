@@ -12,7 +12,8 @@ request; this turns them into what the user sees, in the request's
   ``prompt_logprobs`` (:meth:`OutputProcessor.add_prompt_logprobs`);
 - a stop string inside a run of several new tokens (speculative decoding)
   ends the request at the token plain decoding would have ended it at: the
-  tokens after it are taken back off the request.
+  tokens after it are left out of its output (the request itself is only
+  ever changed by the scheduler).
 
 It keeps one :class:`RequestState` per request the engine serves.
 
@@ -265,7 +266,7 @@ class OutputProcessor:
 
         Token by token, so that a stop string inside a speculative run ends
         the request at the token plain decoding would have ended it at: the
-        tokens after it are taken back off the request.
+        tokens after it are left out of its output.
         """
         if state.error is not None:  # its prompt logprobs failed: it ends here
             raise state.error
