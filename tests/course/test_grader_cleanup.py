@@ -59,8 +59,11 @@ def _hanging_package(root: Path, mark: Path) -> None:
 def _grade(root: Path, timeout_s: float) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "minivllm.cli", "course", "grade", "--backend", "hangpkg",
            "--task", "allocator", "--path", str(root), "--timeout", str(timeout_s)]
+    # Ctrl-C not ignored, as from a terminal: a shell starts a background job (`nohup
+    # pytest ... &`) with SIGINT ignored, and a grader started from it would inherit that.
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(mark: Path, grader: subprocess.Popen, timeout_s: float = 180) -> int:
