@@ -274,3 +274,22 @@ def test_killed_stage_fails_every_request_and_leaves_nothing_behind(tiny_model_d
     while not all(_gone(p.pid) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p.pid) for p in procs)
+
+
+def test_a_workers_timeline_keeps_only_its_newest_records(tiny_model_dir, monkeypatch):
+    """The per-step StageTiming records are bounded (a server runs for days): the worker
+    keeps the newest TIMELINE_STEPS, in order, and ``clear`` empties them."""
+    from test_engine import greedy, make_llm
+
+    from minivllm.worker import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "TIMELINE_STEPS", 5)
+    llm = make_llm(tiny_model_dir("llama"))
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(12), use_tqdm=False)
+    executor = llm.llm_engine.executor
+    records = executor.stage_timeline()
+    batches = [r.batch for r in records]
+    assert batches == list(range(batches[-1] - 4, batches[-1] + 1)), batches
+    assert batches[-1] >= 11  # a prefill and 11 decodes at least
+    executor.stage_timeline(clear=True)
+    assert executor.stage_timeline() == []

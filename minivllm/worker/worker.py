@@ -17,6 +17,7 @@ CUDA graph / C++ layer stack of that same forward).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -35,6 +36,8 @@ from minivllm.step_sampling import ModelRunnerOutput
 from minivllm.worker.sampling import StepSampler
 
 logger = logging.getLogger("minivllm")
+#: The most StageTiming records a worker keeps (the newest).
+TIMELINE_STEPS = 10_000
 
 
 class Worker:
@@ -92,7 +95,9 @@ class Worker:
         #: SimulatedStageLink in one), or None: one stage, nothing to hand on
         self.link: Any = None
         self.num_batches = 0  # steps seen, with or without tokens: the micro-batch number
-        self.timeline: list[StageTiming] = []  # when this stage ran each micro-batch
+        # When this stage ran each of its last TIMELINE_STEPS micro-batches (bounded: a
+        # server runs for days; the pipeline benchmark reads and clears it per run).
+        self.timeline: collections.deque[StageTiming] = collections.deque(maxlen=TIMELINE_STEPS)
 
     # -- LoRA adapters ------------------------------------------------------------------
 
@@ -306,10 +311,10 @@ class Worker:
 
     def stage_timeline(self, clear: bool = False) -> list[StageTiming]:
         """This stage's :class:`~minivllm.pp_stages.StageTiming` records (``clear``: then forget them)."""
-        records = self.timeline
+        records = list(self.timeline)
         if clear:
-            self.timeline = []
-        return list(records)
+            self.timeline.clear()
+        return records
 
     def shutdown(self) -> None:
         """Finish this rank's sends in flight (the last thing a rank does)."""
