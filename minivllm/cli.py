@@ -83,7 +83,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (PEFT's format) beside the base model")
     g.add_argument("--max-loras", type=int, default=1,
-                   help="distinct adapters one step can serve (device slots; default 1)")
+                   help="distinct adapters one step can serve (device slots; default 1): the "
+                        "scheduler starts a request for another adapter once a slot frees")
     g.add_argument("--max-lora-rank", type=int, default=16,
                    help="the largest adapter rank (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
