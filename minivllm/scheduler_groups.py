@@ -52,24 +52,29 @@ class GroupScheduling:
     def extend_request(self, request: Request, token_ids: list[int]) -> bool:
         """Append tokens chosen outside the sampler (a beam's next token, a forked child's
         first one), the stop rules after each; True if it finished (its blocks freed)."""
-        for token_id in token_ids:
-            request.append_output_token_ids(token_id)
-            if check_stop(request, self.max_model_len):
-                self._free_request(request)
-                self._remove_from_running([request])
-                return True
-        return False
+        if not self._append_until_stop(request, token_ids):
+            return False
+        self._free_request(request)
+        self._remove_from_running([request])
+        return True
 
     def add_continued(self, request: Request, token_ids: list[int]) -> bool:
         """Queue a group member the scheduler does not hold yet at the front of the queue,
         once ``token_ids`` (tokens chosen for it outside its own step: a sibling's first
         token, sampled from child 0's row) are appended, the stop rules after each. True if
         a token ended it: it is then never queued."""
+        if self._append_until_stop(request, token_ids):
+            return True
+        self.requeue((), new_requests=[request])
+        return False
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> bool:
+        """Append ``token_ids`` one at a time, the stop rules after each (what
+        ``update_from_output`` does with sampled tokens); True if one ended it."""
         for token_id in token_ids:
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len):
                 return True
-        self.requeue((), new_requests=[request])
         return False
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
