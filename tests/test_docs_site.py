@@ -17,7 +17,9 @@ import functools
 import http.server
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -51,7 +53,14 @@ class DevTools:
         self.proc = subprocess.Popen(
             [binary, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
              "--window-size=1280,900", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._connect(profile)
+        except BaseException:
+            _kill_group(self.proc)
+            raise
+
+    def _connect(self, profile: str) -> None:
         port_file = Path(profile) / "DevToolsActivePort"
         deadline = time.monotonic() + TIMEOUT_S
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -93,13 +102,40 @@ class DevTools:
             self.events.append(json.loads(self.ws.recv()))
 
     def close(self) -> None:
+        """Stop Chromium and every helper process it started (they write to the profile)."""
+        try:
+            self.call("Browser.close")
+        except Exception:  # already gone: the process-group kill below still runs
+            pass
         self.ws.close()
-        self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            pass
+        _kill_group(self.proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill Chromium's whole process group: its crash handler and zygotes outlive it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _remove_profile(profile: str) -> None:
+    """Remove Chromium's profile; a helper exiting late may still add a file, so retry."""
+    for attempt in range(20):
+        try:
+            shutil.rmtree(profile)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if attempt == 19:
+                raise
+            time.sleep(0.25)
 
 
 def _errors(events: list[dict]) -> list[str]:
@@ -161,12 +197,15 @@ def browser():
                     "`make docs-check` does it)")
     pytest.importorskip("websocket", reason="websocket-client is in the docs extra: "
                                             "pip install -e '.[docs]'")
-    with tempfile.TemporaryDirectory(prefix="minivllm-chromium-") as profile:
+    profile = tempfile.mkdtemp(prefix="minivllm-chromium-")
+    try:
         tools = DevTools(binary, profile)
         try:
             yield tools
         finally:
             tools.close()
+    finally:
+        _remove_profile(profile)
 
 
 @pytest.mark.parametrize("name", list(PAGES))
