@@ -58,6 +58,13 @@ from torch import nn
 
 from minivllm import distributed
 from minivllm.fast.linear_kernel import FLOAT_GEMV_MAX_ROWS
+from minivllm.fast.linear_prepack import (  # noqa: F401  (prepack_weight, packed_rows: API)
+    PACKED_CHUNK_ROWS,
+    Prepacked,
+    packed_linear,
+    packed_rows,
+    prepack_weight,
+)
 from minivllm.quantized_weight import QuantizedWeight
 from minivllm.tp_shards import (
     check_qkv_split,
@@ -115,7 +122,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
     ``packed`` is :func:`prepack_weight`'s copy of ``weight``: more rows than the GEMV
-    takes then run oneDNN's GEMM on it.
+    takes then run oneDNN's GEMM on it (:func:`packed_linear`: chunks of at most
+    :data:`PACKED_CHUNK_ROWS` rows, rounded up to :func:`packed_rows`).
     A :class:`~minivllm.ref.quantization.QuantizedWeight` multiplies through the
     quantization component it was made with.
     """
@@ -125,9 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return apply_linear(x, weight, bias)
     if not _gemv_applies(x, weight):
         if packed is not None and x.dtype == weight.dtype and not torch.compiler.is_compiling():
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias,
-                                                   "none", [], "")
-            return y.view(*x.shape[:-1], weight.shape[0])
+            return packed_linear(x, packed, bias, weight.shape[0])
         return F.linear(x, weight, bias)
     from minivllm.fast import cpu_ops
 
@@ -138,42 +144,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cpu_ops.ops().linear_small_m(out, rows, weight,
                                  None if bias is None else bias.contiguous(), portable)
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def prepack_weight(weight) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a float CPU weight, for :func:`linear`'s GEMM; else None.
-
-    A GEMM library reorders the weight into its blocked layout on every call; with
-    a decode batch (64 rows x SmolLM2's 576 features) that reorder is a large part
-    of the call. Done once at load it is not repeated (vLLM's CPU backend prepacks
-    its oneDNN weights the same way), at the cost of a second copy of each float
-    weight: the small-M GEMV reads the plain one. ``EngineConfig.prepack=False``
-    (``$MINIVLLM_PREPACK=0``) turns it off; quantized weights, CUDA and a torch
-    without oneDNN are never packed.
-    """
-    if (not isinstance(weight, torch.Tensor)
-            or weight.device.type != "cpu" or weight.dim() != 2
-            or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not torch.backends.mkldnn.is_available()):
-        return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None  # oneDNN's bf16 GEMM needs AVX-512 (or AVX-NE-CONVERT)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-
-
-class _Prepacked:
-    """A layer whose float weight :func:`prepack_weight` copies once its weights are loaded."""
-
-    packed_weight: torch.Tensor | None = None
-
-    def process_weights_after_loading(self, *, prepack: bool = True) -> None:
-        """Called by the loader after every weight is loaded (and quantized).
-
-        The weights are final from here: whoever changes ``weight`` later calls
-        this again, or the GEMM keeps multiplying by the old packed copy.
-        ``prepack=False`` (``EngineConfig.prepack``) keeps no packed copy.
-        """
-        self.packed_weight = prepack_weight(self.weight) if prepack else None
 
 
 def _this_rank(tp_size: int) -> int:
@@ -188,7 +158,7 @@ def _this_rank(tp_size: int) -> int:
     return distributed.get_tp_rank()
 
 
-class ColumnParallelLinear(_Prepacked, nn.Module):
+class ColumnParallelLinear(Prepacked, nn.Module):
     """``y = x W^T + b``; this rank holds ``output_size / tp_size`` rows of ``W``.
 
     Shapes: ``weight (output_size / tp_size, input_size)``, ``bias (output_size / tp_size,)``.
@@ -306,7 +276,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data[offset : offset + rows].copy_(loaded_weight.narrow(0, start, rows))
 
 
-class RowParallelLinear(_Prepacked, nn.Module):
+class RowParallelLinear(Prepacked, nn.Module):
     """``y = all_reduce(x_r W_r^T) + b``; this rank holds ``input_size / tp_size`` columns.
 
     Shapes: ``weight (output_size, input_size / tp_size)``, ``bias (output_size,)``
@@ -405,7 +375,7 @@ class VocabParallelEmbedding(nn.Module):
         return distributed.tensor_model_parallel_all_reduce(e)
 
 
-class ParallelLMHead(_Prepacked, VocabParallelEmbedding):
+class ParallelLMHead(Prepacked, VocabParallelEmbedding):
     """Vocabulary logits; this rank computes its ``V_r`` columns, all-gathered.
 
     ``forward``: ``(T, dim) -> (T, vocab)`` on every rank (padding cut off), as
