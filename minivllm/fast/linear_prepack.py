@@ -36,23 +36,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                   n: int) -> torch.Tensor:
     """``x @ W.T + bias`` on oneDNN's prepacked ``W``, ``(..., K) -> (..., n)``.
 
-    In chunks of :data:`PACKED_CHUNK_ROWS` rows, the last one padded with zero rows
-    to :func:`packed_rows` (their outputs are dropped).
+    In chunks of :data:`PACKED_CHUNK_ROWS` rows, each padded with zero rows to
+    :func:`packed_rows` (their outputs are dropped).
     """
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype) if m > PACKED_CHUNK_ROWS else None
+    if m <= PACKED_CHUNK_ROWS:  # zero rows too (a stage with nothing scheduled)
+        return _gemm(rows, packed, bias).view(*x.shape[:-1], n)
+    out = torch.empty(m, n, dtype=x.dtype)
     for start in range(0, m, PACKED_CHUNK_ROWS):
         part = rows[start:start + PACKED_CHUNK_ROWS]
-        count = part.shape[0]
-        padded = packed_rows(count)
-        if padded != count:
-            part = torch.cat([part, part.new_zeros(padded - count, part.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [], "")[:count]
-        if out is None:
-            return y.view(*x.shape[:-1], n)
-        out[start:start + count] = y
+        out[start:start + part.shape[0]] = _gemm(part, packed, bias)
     return out.view(*x.shape[:-1], n)
+
+
+def _gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN call on ``rows`` padded to :func:`packed_rows`; the padding's outputs dropped."""
+    count = rows.shape[0]
+    padded = packed_rows(count)
+    if padded != count:
+        rows = torch.cat([rows, rows.new_zeros(padded - count, rows.shape[1])])
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:count]
 
 
 def prepack_weight(weight) -> torch.Tensor | None:
