@@ -5,7 +5,8 @@ rows than the GEMV's (:data:`minivllm.fast.linear.GEMV_MAX_ROWS`) to
 :func:`packed_linear`: oneDNN's GEMM on a copy of the weight reordered once at load
 (:func:`prepack_weight`), in chunks of at most :data:`PACKED_CHUNK_ROWS` rows whose
 counts go through :func:`packed_rows`, so that the process does not keep a compiled
-GEMM for every count it ever met (docs/serving.md, "Memory over time"). ``tests/test_prepack.py`` and ``tests/test_memory_growth.py``.
+GEMM for every count it ever met (docs/serving.md, "Memory over time"). Tested in
+``tests/test_prepack.py`` and ``tests/test_memory_growth.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ def packed_rows(m: int) -> int:
     for each, for as long as the process lives (about half of it in its primitive
     cache, which ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` bounds; the rest not even
     with a capacity of 0). A server's steps bring ever new row counts, so its
-    memory grew without end (measured: docs/serving.md, "Memory over time"). Rounded up to a multiple of 8 below 128 rows, of 16
-    below 256 and of 32 up to :data:`PACKED_CHUNK_ROWS` (padding: at most 7 rows
-    below 128, then at most 1 row in 8), a weight meets at most 32 shapes.
+    memory grew without end (measured: docs/serving.md, "Memory over time").
+    Rounded up to a multiple of 8 below 128 rows, of 16 below 256 and of 32 up to
+    :data:`PACKED_CHUNK_ROWS` (padding: at most 7 rows below 128, then at most 1
+    row in 8), a weight meets at most 32 shapes.
     """
     step = max(8, 1 << max(0, m.bit_length() - 4))
     return -(-m // step) * step
