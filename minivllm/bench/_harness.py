@@ -96,8 +96,9 @@ def speedup_row(name: str, t_ref: float, t_fast: float, err: float,
     return row
 
 
-def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The :data:`KERNEL_CPU_FLAGS` this CPU has (``/proc/cpuinfo`` on Linux)."""
+def cpu_flags(cpuinfo: str | None = None, every: bool = False) -> list[str]:
+    """The :data:`KERNEL_CPU_FLAGS` this CPU has (``/proc/cpuinfo`` on Linux); all of its
+    flags with ``every``."""
     if cpuinfo is None:
         path = Path("/proc/cpuinfo")
         cpuinfo = path.read_text(errors="replace") if path.exists() else ""
@@ -106,7 +107,7 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
             break
-    return [f for f in KERNEL_CPU_FLAGS if f in flags]
+    return sorted(flags) if every else [f for f in KERNEL_CPU_FLAGS if f in flags]
 
 
 def machine() -> dict:

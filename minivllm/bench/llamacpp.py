@@ -11,6 +11,7 @@ this module does that for you and prints each step::
     minivllm bench llamacpp --build ~/llama.cpp-build        # about 4 minutes on 2 cores
     minivllm bench llamacpp --quantize ~/llama.cpp-build     # F32, BF16, Q8_0 from the Q4_1
     minivllm bench llamacpp --print-steps                    # just print the commands
+    minivllm bench llamacpp --build DIR --no-amx             # a CPU whose AMX llama.cpp can't use
 
 or by hand (the same commands)::
 
@@ -134,7 +135,34 @@ TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize")
 VARIANTS = MappingProxyType({"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4"})
 
 
-def build_steps(build_dir: str | Path, jobs: int = 2) -> list[list[str]]:
+#: llama.cpp's switch for each x86 feature, by its /proc/cpuinfo flag (AMX left out).
+GGML_FLAGS = MappingProxyType({
+    "avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+    "bmi2": "GGML_BMI2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16"})
+
+
+def isa_options(no_amx: bool) -> str:
+    """cmake's instruction-set options: ``-march=native``, or without AMX its features one
+    by one from ``/proc/cpuinfo``.
+
+    ``--no-amx`` exists for a machine whose CPU lists AMX while llama.cpp's AMX kernels do
+    not run there: on the 2-core Xeon VM of issue 37 (flags ``amx_tile amx_int8``, Linux
+    6.18), a native build died in ``ldtilecfg`` / ``tilezero`` (SIGSEGV, SIGILL) on every
+    Q8_0 and Q4_1 run, while F32 ran. Without AMX, Q8_0 and Q4_1 run llama.cpp's AVX512-VNNI
+    kernels.
+    """
+    if not no_amx:
+        return "-DGGML_NATIVE=ON"
+    from minivllm.bench._harness import cpu_flags
+
+    have = set(cpu_flags(every=True))
+    return " ".join(["-DGGML_NATIVE=OFF", *(f"-D{opt}={'ON' if flag in have else 'OFF'}"
+                                            for flag, opt in GGML_FLAGS.items())])
+
+
+def build_steps(build_dir: str | Path, jobs: int = 2, no_amx: bool = False) -> list[list[str]]:
     """The commands that build :data:`TOOLS` into ``build_dir`` (see the module docstring).
 
     The sdist's version is whatever pip finds; the vendored source is unpacked
@@ -148,7 +176,7 @@ def build_steps(build_dir: str | Path, jobs: int = 2) -> list[list[str]]:
          "llama-cpp-python"],
         ["sh", "-c", f"cd {shlex.quote(str(src))} && tar xzf llama_cpp_python-*.tar.gz"],
         ["sh", "-c", f"nice -n 10 cmake -S {shlex.quote(str(src))}/llama_cpp_python-*/vendor/"
-         f"llama.cpp -B {shlex.quote(str(d))} -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "
+         f"llama.cpp -B {shlex.quote(str(d))} -DCMAKE_BUILD_TYPE=Release {isa_options(no_amx)} "
          "-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF"],
         ["nice", "-n", "10", "cmake", "--build", str(d), f"-j{jobs}", "--target", *TOOLS],
     ]
@@ -247,14 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--print-steps", action="store_true", help="print the build commands only")
+    p.add_argument("--no-amx", action="store_true",
+                   help="build for this CPU's features one by one, without AMX (where llama.cpp's "
+                        "AMX kernels crash although the CPU lists AMX)")
     args = p.parse_args(argv)
     if args.print_steps or not (args.build or args.quantize):
-        for cmd in build_steps(args.build or "DIR", args.jobs):
+        for cmd in build_steps(args.build or "DIR", args.jobs, args.no_amx):
             print(shlex.join(cmd))
         return 0
     if args.build:
         args.build = str(Path(args.build).expanduser().resolve())
-        for cmd in build_steps(args.build, args.jobs):
+        for cmd in build_steps(args.build, args.jobs, args.no_amx):
             print("+", shlex.join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         for tool in TOOLS:

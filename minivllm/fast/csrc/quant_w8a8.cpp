@@ -42,6 +42,7 @@
 // - Threads take whole tiles (parallel_for), so each weight byte is read once.
 #include "ops.h"
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,8 @@ namespace {
 
 constexpr int64_t GROUP = ACT_GROUP_SIZE;  // input features per activation scale (ops.h)
 constexpr int64_t TILE = 8;    // weight rows per tile (the lanes of a float vector)
+// Rows of x from which an ISA's GEMM (weights repacked to VNNI's layout) replaces the tiles.
+constexpr int64_t GEMM_MIN_ROWS = 8;
 
 // One W8A8 matmul: what every tile reads and writes.
 struct W8A8Problem {
@@ -210,6 +213,7 @@ MINIVLLM_SCALAR_LOOP void portable_tiles(const W8A8Problem& p, int64_t t0, int64
 }
 
 using TilesFn = void (*)(const W8A8Problem&, int64_t, int64_t);
+using GemmFn = void (*)(const W8A8Problem&);
 using QuantizeGroupFn = int32_t (*)(const float*, int8_t*, float*);
 
 // ------------------------------------------------------------------ the SIMD tiles
@@ -238,11 +242,12 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (VEX): the same, in
 
 namespace avx512vnni {
 #pragma GCC push_options
-#pragma GCC target("avx2,f16c,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (EVEX, 256-bit)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
 }
 #include "quant_w8a8_tiles.h"
+#include "quant_w8a8_gemm.h"
 #pragma GCC pop_options
 }  // namespace avx512vnni
 #endif
@@ -252,6 +257,7 @@ struct IsaEntry {
   const char* name;
   TilesFn int8_tiles, int4_tiles;
   QuantizeGroupFn quantize_group;
+  GemmFn int8_gemm = nullptr, int4_gemm = nullptr;  // many rows of x, where the ISA has one
 };
 
 // Every instruction set this CPU runs, worst first (the portable loop always).
@@ -268,7 +274,8 @@ std::vector<IsaEntry> available_isas() {
     }
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
       out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
-                     avx512vnni::quantize_group});
+                     avx512vnni::quantize_group, avx512vnni::gemm<false>,
+                     avx512vnni::gemm<true>});
     }
   }
 #endif
@@ -292,8 +299,12 @@ const IsaEntry& find_isa(std::string_view name) {
               std::string(name), "'");
 }
 
-void run(const W8A8Problem& p, TilesFn tiles) {
+void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm) {
   if (p.m == 0 || p.n == 0) return;
+  if (gemm != nullptr && p.m >= GEMM_MIN_ROWS) {
+    gemm(p);
+    return;
+  }
   const int64_t count = (p.n + TILE - 1) / TILE;
   parallel_for(0, count, grain_for(TILE * p.k * p.m),
                    [&](int64_t t0, int64_t t1) { tiles(p, t0, t1); });
@@ -372,7 +383,8 @@ void w8a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), k,
                       scales.data_ptr(), nullptr, scales.size(1), n,
                       out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
-  run(p, find_isa(isa).int8_tiles);
+  const IsaEntry& e = find_isa(isa);
+  run(p, e.int8_tiles, e.int8_gemm);
 }
 
 void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
@@ -395,7 +407,8 @@ void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
                       x_sums.data_ptr<float>(), m, k, groups, qweight.data_ptr<uint8_t>(), k / 2,
                       scales.data_ptr(), mins.data_ptr(), groups, n,
                       out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
-  run(p, find_isa(isa).int4_tiles);
+  const IsaEntry& e = find_isa(isa);
+  run(p, e.int4_tiles, e.int4_gemm);
 }
 
 }  // namespace minivllm
