@@ -316,11 +316,20 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # them into one ``vpdpbusd`` (64 multiply-adds per 512-bit instruction, four times
 # an fp32 FMA's). Both read one operand as unsigned bytes and one as signed, so for
 # int8 weights the kernels use llama.cpp's trick: ``|x|`` unsigned, ``w * sign(x)``
-# signed, whose product is ``x * w`` (``minivllm/fast/csrc/quant_w8a8.cpp``). AMX (Intel's
-# Sapphire Rapids and later, flag ``amx_int8``) goes further: a ``tdpbssd`` multiplies
-# a 16x64 int8 tile by a 64x16 one into a 16x16 int32 tile, 16,384 multiply-adds in
-# one instruction, for batches large enough to fill its tiles. At batch 1 none of
-# them matters: the bytes do.
+# signed, whose product is ``x * w`` (``minivllm/fast/csrc/quant_w8a8.cpp``). From 8
+# rows on, a GEMM takes over (``quant_w8a8_gemm.h``): it repacks each panel of weight
+# rows into the layout ``vpdpbusd`` reads (4 consecutive inputs of 16 outputs per 64-byte
+# vector), so one broadcast of 4 activation bytes feeds 16 outputs at once and no
+# horizontal sums are left; on VNNI ``x + 128`` is the unsigned operand and an exact
+# per-group correction takes the ``128 * sum(w)`` back out. On a 2-core Xeon that made
+# the batch-64 matmuls 2.5-2.8x faster per core than the tiles with AVX512-VNNI,
+# 1.6-2.1x with AVX-VNNI and 1.2-1.3x with plain AVX2.
+# AMX (Intel's Sapphire Rapids and later, flag ``amx_int8``) goes further: a ``tdpbusd``
+# multiplies a 16x64 int8 tile by a 64x16 one into a 16x16 int32 tile, 16,384
+# multiply-adds in one instruction, for batches large enough to fill its tiles;
+# minivllm does not use it yet, and on that Xeon (a VM listing AMX) llama.cpp's AMX
+# kernels crashed, so its comparison build leaves AMX out (``--no-amx``). At batch 1
+# none of them matters: the bytes do.
 
 # %%
 from minivllm.bench._harness import cpu_flags  # noqa: E402

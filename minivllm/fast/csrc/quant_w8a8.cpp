@@ -226,7 +226,12 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {
   // maddubs: 16 int16 sums of pairs; madd by ones: 8 int32 sums of 4.
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
+inline __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi32(acc, dot_u8s8(a, b));
+}
+constexpr bool SIGN_TRICK = true;  // int8 weights in the GEMM: |x| times w * sign(x)
 #include "quant_w8a8_tiles.h"
+#include "quant_w8a8_gemm256.h"
 #pragma GCC pop_options
 }  // namespace avx2
 
@@ -236,7 +241,12 @@ namespace avxvnni {
 inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (VEX): the same, in one
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
 }
+inline __m256i dot_acc(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+}
+constexpr bool SIGN_TRICK = false;  // int8 weights in the GEMM: x + 128 times w
 #include "quant_w8a8_tiles.h"
+#include "quant_w8a8_gemm256.h"
 #pragma GCC pop_options
 }  // namespace avxvnni
 
@@ -267,10 +277,11 @@ std::vector<IsaEntry> available_isas() {
 #if MINIVLLM_W8A8_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
-    out.push_back({"avx2", avx2::tiles<false>, avx2::tiles<true>, avx2::quantize_group});
+    out.push_back({"avx2", avx2::tiles<false>, avx2::tiles<true>, avx2::quantize_group,
+                   avx2::gemm<false>, avx2::gemm<true>});
     if (__builtin_cpu_supports("avxvnni")) {
       out.push_back({"avxvnni", avxvnni::tiles<false>, avxvnni::tiles<true>,
-                     avxvnni::quantize_group});
+                     avxvnni::quantize_group, avxvnni::gemm<false>, avxvnni::gemm<true>});
     }
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
       out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
