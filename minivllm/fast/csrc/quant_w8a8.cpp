@@ -40,6 +40,9 @@
 //   float32 as a tile transposes them (F16C's vcvtph2ps): exact, so the bits are those of
 //   the same scales in float32, and a batch-1 step reads 2 bytes a group less per row.
 // - Threads take whole tiles (parallel_for), so each weight byte is read once.
+// - From GEMM_MIN_ROWS rows of x (a batched decode step, a prefill) a GEMM replaces the
+//   tiles: weights repacked per call to VNNI's layout, no horizontal adds
+//   (quant_w8a8_gemm.h for AVX512-VNNI, quant_w8a8_gemm256.h for AVX-VNNI and AVX2).
 #include "ops.h"
 
 #include <cstring>
