@@ -169,7 +169,7 @@ def report(result: dict, weight_bytes: dict, act_dtype: dict, batch_sizes: list[
                  if k.startswith("gemm_floor")),
              f"{'engine':<20}{f'B={b1} decode':>16}{'roof':>7}{'of it':>6}"
              f"{f'B={bmax} decode':>17}{'of floor':>9}{f'B={bmax} total':>17}"
-             f"{'prefill' + str(args.prefill_len):>17}"]
+             f"{('prefill' + str(args.prefill_len)) if args.prefill_len else '':>17}"]
     for name, r in result.items():
         if name == "limits":
             continue
@@ -188,7 +188,8 @@ def report(result: dict, weight_bytes: dict, act_dtype: dict, batch_sizes: list[
             continue
         parts = [f"B={b} {key.split('_')[0]} {r[b][key].median / t[b][key].median:.2f}x"
                  + (" (noisy)" if r[b][key].noisy or t[b][key].noisy else "")
-                 for b in (b1, bmax) for key in ("decode_tok_s", "total_tok_s")]
+                 for b in dict.fromkeys((b1, bmax))  # once where B=1 is the only batch
+                 for key in ("decode_tok_s", "total_tok_s")]
         if isinstance(r.get("prefill_tok_s"), Figure) and isinstance(t.get("prefill_tok_s"),
                                                                       Figure):
             parts.append(f"prefill {r['prefill_tok_s'].median / t['prefill_tok_s'].median:.2f}x")
