@@ -36,6 +36,9 @@ struct PackedPanel {
   std::vector<float> sw, mw;    // [g][c]: s_w (or d) and m_w (4-bit weights only)
 };
 
+constexpr bool SHIFT_INT8_X = true;  // int8 weights meet x + 128
+#include "quant_w8a8_panels.h"
+
 // r[i] lane j -> r[j] lane i, for 16 vectors of 16 int32 lanes.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -71,26 +74,8 @@ inline void transpose16(__m512i r[16]) {
 template <bool INT4>
 void pack_panel(const W8A8Problem& p, int64_t n0, int64_t nb, PackedPanel& pp) {
   const int64_t groups = p.groups, row_words = p.row_bytes / 4;
-  pp.w.resize(PANEL * p.row_bytes);
-  pp.sw.resize(PANEL * groups);
-  if constexpr (INT4) {
-    pp.mw.resize(PANEL * groups);
-  } else {
-    pp.comp.resize(PANEL * groups);
-  }
   const uint8_t* row[PANEL];
-  for (int64_t c = 0; c < PANEL; ++c) {
-    const int64_t r = tile_row(n0, nb, c);
-    row[c] = p.w + r * p.row_bytes;
-    const int64_t per_scale = groups / p.s_groups;  // (no division per group: ~25 cycles)
-    for (int64_t gw = 0, g = 0; gw < p.s_groups; ++gw) {
-      const float s = scale_at(p, p.s, r * p.s_groups + gw);
-      for (int64_t e = 0; e < per_scale; ++e, ++g) pp.sw[g * PANEL + c] = s;
-    }
-    if constexpr (INT4) {
-      for (int64_t g = 0; g < groups; ++g) pp.mw[g * PANEL + c] = scale_at(p, p.mn, r * groups + g);
-    }
-  }
+  pack_scales<INT4>(p, n0, nb, pp, row);
   int32_t* w32 = reinterpret_cast<int32_t*>(pp.w.data());  // [word][c]
   for (int64_t half = 0; half < 2; ++half) {
     for (int64_t word = 0; word < row_words; word += 16) {
@@ -195,58 +180,4 @@ void gemm_block(const W8A8Problem& p, const PackedPanel& pp, const uint8_t* x, i
     _mm512_mask_storeu_ps(y, lo, acc[r][0]);
     _mm512_mask_storeu_ps(y + 16, hi, acc[r][1]);
   }
-}
-
-// Weight rows n0 .. n0 + 31 (their integers, scales and minimums are contiguous) into L2.
-inline void prefetch_panel(const W8A8Problem& p, int64_t n0) {
-  const int64_t rows = std::min<int64_t>(PANEL, p.n - n0);
-  if (rows <= 0) return;
-  const char* w = reinterpret_cast<const char*>(p.w + n0 * p.row_bytes);
-  for (int64_t b = 0; b < rows * p.row_bytes; b += 64) _mm_prefetch(w + b, _MM_HINT_T1);
-  const int64_t scale_bytes = p.half_scales ? 2 : 4;
-  const char* s = scale_address(p, p.s, n0 * p.s_groups);
-  for (int64_t b = 0; b < rows * p.s_groups * scale_bytes; b += 64) _mm_prefetch(s + b, _MM_HINT_T1);
-  if (p.mn == nullptr) return;
-  const char* mn = scale_address(p, p.mn, n0 * p.groups);
-  for (int64_t b = 0; b < rows * p.groups * scale_bytes; b += 64) _mm_prefetch(mn + b, _MM_HINT_T1);
-}
-
-// Panels pn0 .. pn1 - 1 for every row of x.
-template <bool INT4>
-void gemm_panels(const W8A8Problem& p, const uint8_t* x, int64_t pn0, int64_t pn1) {
-  PackedPanel pp;
-  for (int64_t pn = pn0; pn < pn1; ++pn) {
-    const int64_t n0 = pn * PANEL, nb = std::min<int64_t>(PANEL, p.n - n0);
-    pack_panel<INT4>(p, n0, nb, pp);
-    prefetch_panel(p, n0 + PANEL);  // into L2 while this panel computes
-    int64_t m0 = 0;
-    for (; m0 + GEMM_ROWS <= p.m; m0 += GEMM_ROWS) gemm_block<INT4, GEMM_ROWS>(p, pp, x, m0, n0, nb);
-    switch (p.m - m0) {
-      case 3: gemm_block<INT4, 3>(p, pp, x, m0, n0, nb); break;
-      case 2: gemm_block<INT4, 2>(p, pp, x, m0, n0, nb); break;
-      case 1: gemm_block<INT4, 1>(p, pp, x, m0, n0, nb); break;
-      default: break;
-    }
-  }
-}
-
-// The whole matmul: x made unsigned once for int8 weights, then panels across threads.
-template <bool INT4>
-void gemm(const W8A8Problem& p) {
-  std::vector<uint8_t> shifted;
-  const uint8_t* x = reinterpret_cast<const uint8_t*>(p.qx);
-  if constexpr (!INT4) {  // q_x + 128 as an unsigned byte: flip the sign bit
-    shifted.resize(p.m * p.k);
-    const int64_t total = p.m * p.k;
-    int64_t i = 0;
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (; i + 64 <= total; i += 64) {
-      _mm512_storeu_si512(shifted.data() + i, _mm512_xor_si512(_mm512_loadu_si512(x + i), flip));
-    }
-    for (; i < total; ++i) shifted[i] = x[i] ^ 0x80;
-    x = shifted.data();
-  }
-  const int64_t panels = (p.n + PANEL - 1) / PANEL;
-  parallel_for(0, panels, grain_for(PANEL * p.k * p.m),
-               [&](int64_t pn0, int64_t pn1) { gemm_panels<INT4>(p, x, pn0, pn1); });
 }
