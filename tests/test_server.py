@@ -519,10 +519,12 @@ def _model(server) -> str:
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir, spec):
+    # float32 pinned: "auto" is bfloat16 on a CPU with avx512_bf16, where a prefix-cache hit
+    # (a different kernel path) can round a greedy answer onto another token.
     server = ServerProcess(str(smollm2_dir), "--backend", spec, "--max-model-len", "1024",
-                           "--served-model-name", "smollm2")
+                           "--served-model-name", "smollm2", "--dtype", "float32")
     llm = LLM(str(smollm2_dir), backend=offline_backend(spec), device="cpu",
-              max_model_len=1024)
+              max_model_len=1024, dtype="float32")
     try:
         yield server, llm
     finally:

@@ -30,8 +30,11 @@ def tiny(tiny_model_dir, request):
     path = str(tiny_model_dir("llama"))
     server = ServerProcess(path, "--backend", spec, "--max-model-len", str(MAX_MODEL_LEN),
                            "--served-model-name", "tiny", "--max-num-batched-tokens", "8",
-                           "--scheduling-policy", "priority")
-    llm = LLM(path, backend=offline_backend(spec), device="cpu", max_model_len=MAX_MODEL_LEN)
+                           "--scheduling-policy", "priority", "--dtype", "float32")
+    # float32 pinned on both sides: the oracle is transformers in float32, and "auto" is
+    # bfloat16 on a CPU with avx512_bf16 (logprobs 1e-2 apart instead of 1e-4).
+    llm = LLM(path, backend=offline_backend(spec), device="cpu", max_model_len=MAX_MODEL_LEN,
+              dtype="float32")
     try:
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
                             timeout=60), llm, path
