@@ -55,7 +55,7 @@ void pack_panel(const W8A8Problem& p, int64_t n0, int64_t nb, PackedPanel& pp) {
       }
     }
   }
-  if constexpr (!INT4 && !SIGN_TRICK) {  // 128 * sum_k w: ones as the unsigned operand
+  if constexpr (!INT4 && SHIFT_INT8_X) {  // 128 * sum_k w: ones as the unsigned operand
     const __m256i ones = _mm256_set1_epi8(1);
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t half = 0; half < 2; ++half) {
@@ -124,12 +124,12 @@ void gemm_block(const W8A8Problem& p, const PackedPanel& pp, const uint8_t* x, i
       __m256i comp = _mm256_setzero_si256();
       if constexpr (INT4) {
         mw = _mm256_loadu_ps(pp.mw.data() + g * PANEL + 8 * h);
-      } else if constexpr (!SIGN_TRICK) {
+      } else if constexpr (SHIFT_INT8_X) {
         comp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pp.comp.data() + g * PANEL + 8 * h));
       }
       for (int r = 0; r < ROWS; ++r) {
         const __m256 xs = _mm256_set1_ps(p.xs[(m0 + r) * groups + g]);
-        const __m256i i32 = (INT4 || SIGN_TRICK) ? isum[r][h] : _mm256_sub_epi32(isum[r][h], comp);
+        const __m256i i32 = (INT4 || !SHIFT_INT8_X) ? isum[r][h] : _mm256_sub_epi32(isum[r][h], comp);
         __m256 term = _mm256_mul_ps(_mm256_mul_ps(xs, sw), _mm256_cvtepi32_ps(i32));
         if constexpr (INT4) {
           term = _mm256_add_ps(term, _mm256_mul_ps(mw, _mm256_set1_ps(p.xsum[(m0 + r) * groups + g])));
