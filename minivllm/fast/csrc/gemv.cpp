@@ -196,6 +196,9 @@ void gemv_portable(const float* x, int64_t M, int64_t K, const W* w, float* out,
 // ------------------------------------------------------------------------- AVX-512 BF16 path
 // x: `parts` bf16 copies of the activations (hi, and lo for float32), each M rows
 // of K elements. Accumulates NB weight rows x up to MB input rows in registers.
+// While the first block of input rows runs, the next NB weight rows are prefetched
+// into L2, 64 bytes of each a k step: with the hardware prefetcher alone a core read
+// its 4 rows at 70% of its read bandwidth, with the prefetch at 100% (docs/kernels.md).
 void gemv_avx512bf16(const uint16_t* x, int parts, int64_t M, int64_t K, const uint16_t* w,
                      float* out, int64_t n0, int64_t n1) {
   const int64_t k_full = K / 32 * 32;
@@ -207,6 +210,7 @@ void gemv_avx512bf16(const uint16_t* x, int parts, int64_t M, int64_t K, const u
     for (int64_t j = 0; j < NB; ++j) wr[j] = w + (n + std::min(j, nb - 1)) * K;  // pad: repeat
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min(MB, M - m0);
+      const bool prefetch = m0 == 0 && n + NB < n1;  // once, and only this thread's rows
       __m512 acc[MB][NB];
       for (int64_t i = 0; i < MB; ++i)
         for (int64_t j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -214,6 +218,11 @@ void gemv_avx512bf16(const uint16_t* x, int parts, int64_t M, int64_t K, const u
         const bool last = k == k_full;
         if (last && tail == 0) break;
         __m512bh wv[NB];
+        if (prefetch) {  // the next block's rows, at the same k, into L2
+          for (int64_t j = 0; j < NB; ++j) {
+            _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T1);
+          }
+        }
         for (int64_t j = 0; j < NB; ++j) {
           const __m512i v = last ? _mm512_maskz_loadu_epi16(tail, wr[j] + k)
                                  : _mm512_loadu_si512(wr[j] + k);
