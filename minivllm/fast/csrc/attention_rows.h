@@ -22,14 +22,17 @@ constexpr int64_t DC = 16;                // head_dim elements per register bloc
 
 // The next key tile's rows of one KV head (K's or V's), asked for a few at a time while
 // this tile is computed: blocks sit anywhere in the cache, where no hardware prefetcher
-// looks, and a burst of requests per tile stalls on the full miss queue.
+// looks, and a burst of requests per tile stalls on the full miss queue. Into L2
+// (locality 2, prefetcht1), like the GEMVs' prefetches: 4-6% faster than into L1 on a
+// batch-64 decode on the Xeon (docs/kernels.md); the prefetches still take about half of
+// the op's samples there, waiting for memory.
 struct Prefetch {
   const char* row[KEY_TILE];
   int64_t count = 0;      // rows of the next tile (0: none)
   int64_t row_bytes = 0;  // head_dim * sizeof(cache_t)
   void rows(int64_t begin, int64_t end) const {
     for (int64_t j = begin; j < std::min(end, count); ++j) {
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row[j] + b);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row[j] + b, 0, 2);
     }
   }
 };
