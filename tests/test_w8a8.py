@@ -19,6 +19,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,8 +196,8 @@ def _cpu_flags() -> set[str]:
 
 @needs_cpp
 def test_the_instruction_set_is_chosen_from_the_cpus_flags():
-    """The portable loop always; AVX2, AVX-VNNI and AVX512-VNNI exactly where the CPU has
-    them (this machine: AVX2 only, so the VNNI paths are compiled but not run here)."""
+    """The portable loop always; AVX2, AVX-VNNI, AVX512-VNNI and AMX-INT8 exactly where the
+    CPU has them (on Linux, which grants a process AMX's tile state when it asks)."""
     isas = list(cpu_ops.ops().w8a8_isas())
     if not Path("/proc/cpuinfo").exists():
         pytest.skip("no /proc/cpuinfo to compare with")
@@ -209,6 +210,8 @@ def test_the_instruction_set_is_chosen_from_the_cpus_flags():
             want.append("avxvnni")
         if "avx512_vnni" in flags and "avx512vl" in flags:
             want.append("avx512vnni")
+            if {"amx_tile", "amx_int8"} <= flags and sys.platform.startswith("linux"):
+                want.append("amx")
     assert isas == want
     out = torch.empty(1, 4)
     qw = weight("int8", 4, 32, 0)
@@ -282,8 +285,9 @@ def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, group
     4-bit; weight scales in float32, or float16 as a GGUF stores them, which must give
     the bits of the same scales in float32). From 8 rows of x (7 and 8 straddle the switch)
     every SIMD instruction set runs the GEMM over weights repacked to VNNI's layout: panels
-    of 32 columns on AVX512-VNNI, 16 on AVX-VNNI and AVX2 (ragged at 5, 13, 37 and 70); an
-    odd number of groups leaves a short last transpose."""
+    of 32 columns on AVX512-VNNI and AMX, 16 on AVX-VNNI and AVX2 (ragged at 5, 13, 37 and
+    70); an odd number of groups leaves a short last transpose. AMX takes x 16 rows at a
+    time (8, 64 and 65 rows leave a zero-padded last block)."""
     method, group_size = fmt
     k = 32 * groups
     assume(group_size is None or k % group_size == 0)

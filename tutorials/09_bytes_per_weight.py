@@ -324,12 +324,13 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # per-group correction takes the ``128 * sum(w)`` back out. On a 2-core Xeon that made
 # the batch-64 matmuls 2.5-2.8x faster per core than the tiles with AVX512-VNNI,
 # 1.6-2.1x with AVX-VNNI and 1.2-1.3x with plain AVX2.
-# AMX (Intel's Sapphire Rapids and later, flag ``amx_int8``) goes further: a ``tdpbusd``
+# AMX (Intel's Sapphire Rapids and later, flag ``amx_int8``) goes further: a ``tdpbssd``
 # multiplies a 16x64 int8 tile by a 64x16 one into a 16x16 int32 tile, 16,384
-# multiply-adds in one instruction, for batches large enough to fill its tiles;
-# minivllm does not use it yet, and on that Xeon (a VM listing AMX) llama.cpp's AMX
-# kernels crashed, so its comparison build leaves AMX out (``--no-amx``). At batch 1
-# none of them matters: the bytes do.
+# multiply-adds in one instruction, for batches large enough to fill its tiles. minivllm's
+# GEMM uses it where the CPU has it (``quant_w8a8_amx.h``, one group of 32 inputs a tile,
+# because every group has its own activation scale): the rescale of each group's sums in
+# AVX-512 is then most of the work, and on that Xeon the batch-64 matmuls ran 1.1-1.3x
+# faster than with AVX512-VNNI. At batch 1 none of them matters: the bytes do.
 
 # %%
 from minivllm.bench._harness import cpu_flags  # noqa: E402

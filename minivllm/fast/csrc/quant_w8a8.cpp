@@ -33,7 +33,8 @@
 //   rows of x. 4-bit rows are unpacked to a byte a weight once per tile; the tile's scales
 //   (and minimums) are transposed once, to a vector of 8 per group.
 // - The instruction set is chosen at run time from the CPU's features (w8a8_isas()):
-//   AVX512-VNNI, else AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
+//   AMX-INT8 (its GEMM from 8 rows of x, the tiles as AVX512-VNNI), else AVX512-VNNI, else
+//   AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
 //   The SIMD tiles are written once, in quant_w8a8_tiles.h, and compiled once per
 //   instruction set below, each in its own namespace.
 // - Scales and minimums stored in float16 (a GGUF's blocks hold them so) are widened to
@@ -42,7 +43,8 @@
 // - Threads take whole tiles (parallel_for), so each weight byte is read once.
 // - From GEMM_MIN_ROWS rows of x (a batched decode step, a prefill) a GEMM replaces the
 //   tiles: weights repacked per call to VNNI's layout, no horizontal adds
-//   (quant_w8a8_gemm.h for AVX512-VNNI, quant_w8a8_gemm256.h for AVX-VNNI and AVX2).
+//   (quant_w8a8_gemm.h for AVX512-VNNI, quant_w8a8_gemm256.h for AVX-VNNI and AVX2; on a
+//   CPU with AMX-INT8, quant_w8a8_amx.h's tiles of 16 x 16 int32 sums).
 #include "ops.h"
 
 #include <cstring>
@@ -54,6 +56,16 @@
 #define MINIVLLM_W8A8_X86 1
 #else
 #define MINIVLLM_W8A8_X86 0
+#endif
+// AMX-INT8 (quant_w8a8_amx.h): Linux (the permission to use it is asked with arch_prctl),
+// and a compiler that knows AMX's intrinsics (GCC 11, clang 12).
+#if MINIVLLM_W8A8_X86 && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MINIVLLM_W8A8_AMX 1
+#else
+#define MINIVLLM_W8A8_AMX 0
 #endif
 
 // Every multiply and add below is rounded on its own, as the ref's torch ops are.
@@ -263,6 +275,23 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (EVEX, 256-bit)
 #include "quant_w8a8_gemm.h"
 #pragma GCC pop_options
 }  // namespace avx512vnni
+
+#if MINIVLLM_W8A8_AMX
+namespace amx {
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+#include "quant_w8a8_amx.h"
+#pragma GCC pop_options
+}  // namespace amx
+
+// Whether this process may use AMX: the CPU has AMX-INT8, and Linux grants the tile data
+// state (a process must ask once, with arch_prctl; the permission covers all its threads).
+bool amx_usable() {
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#endif
 #endif
 
 // ------------------------------------------------------------------ choosing
@@ -290,6 +319,12 @@ std::vector<IsaEntry> available_isas() {
       out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
                      avx512vnni::quantize_group, avx512vnni::gemm<false>,
                      avx512vnni::gemm<true>});
+#if MINIVLLM_W8A8_AMX
+      if (amx_usable()) {  // the GEMM on AMX; one row of x as avx512vnni
+        out.push_back({"amx", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
+                       avx512vnni::quantize_group, amx::gemm<false>, amx::gemm<true>});
+      }
+#endif
     }
   }
 #endif
