@@ -272,7 +272,7 @@ def test_the_portable_loop_stays_scalar_when_built_for_a_vnni_cpu(tmp_path):
 @needs_cpp
 @settings(max_examples=examples(30), deadline=None)
 @given(fmt=st.sampled_from([("int8", None), ("int8", 32), ("int8", 64), ("int4", 32)]),
-       m=st.sampled_from([1, 3, 7, 8, 16, 64, 65]),
+       m=st.sampled_from([1, 3, 7, 8, 16, 40, 64, 65]),
        n=st.sampled_from([1, 5, 8, 13, 16, 32, 37, 70]),
        groups=st.sampled_from([2, 3, 6, 18]), seed=st.integers(0, 99),
        magnitude=st.sampled_from([1e-6, 1.0, 3e4]),
@@ -286,8 +286,8 @@ def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, group
     the bits of the same scales in float32). From 8 rows of x (7 and 8 straddle the switch)
     every SIMD instruction set runs the GEMM over weights repacked to VNNI's layout: panels
     of 32 columns on AVX512-VNNI and AMX, 16 on AVX-VNNI and AVX2 (ragged at 5, 13, 37 and
-    70); an odd number of groups leaves a short last transpose. AMX takes x 16 rows at a
-    time (8, 64 and 65 rows leave a zero-padded last block)."""
+    70); an odd number of groups leaves a short last transpose. AMX takes over from 32 rows,
+    16 rows of x at a time (40 and 65 leave a zero-padded last block)."""
     method, group_size = fmt
     k = 32 * groups
     assume(group_size is None or k % group_size == 0)

@@ -33,7 +33,7 @@
 //   rows of x. 4-bit rows are unpacked to a byte a weight once per tile; the tile's scales
 //   (and minimums) are transposed once, to a vector of 8 per group.
 // - The instruction set is chosen at run time from the CPU's features (w8a8_isas()):
-//   AMX-INT8 (its GEMM from 8 rows of x, the tiles as AVX512-VNNI), else AVX512-VNNI, else
+//   AMX-INT8 (its GEMM from 32 rows of x, the rest as AVX512-VNNI), else AVX512-VNNI, else
 //   AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
 //   The SIMD tiles are written once, in quant_w8a8_tiles.h, and compiled once per
 //   instruction set below, each in its own namespace.
