@@ -109,23 +109,12 @@ void amx_block(const W8A8Problem& p, const avx512vnni::PackedPanel& pp, const ui
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 xs = _mm512_set1_ps(p.xs[(m0 + r) * groups + g]);
       for (int h = 0; h < 2; ++h) {
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[h][r]));
-        __m512 term = _mm512_mul_ps(_mm512_mul_ps(xs, sw[h]), isum);
-        if constexpr (INT4) {
-          const __m512 xsum = _mm512_set1_ps(p.xsum[(m0 + r) * groups + g]);
-          term = _mm512_add_ps(term, _mm512_mul_ps(mw[h], xsum));
-        }
-        acc[r][h] = _mm512_add_ps(acc[r][h], term);
+        acc[r][h] = avx512vnni::rescale_add<INT4>(p, acc[r][h], xs, sw[h], INT4 ? mw[h] : xs,
+                                                  _mm512_load_si512(sums[h][r]), m0 + r, g);
       }
     }
   }
-  const __mmask16 lo = nb >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nb) - 1);
-  const __mmask16 hi = nb >= 32 ? 0xFFFF : (nb <= 16 ? 0 : static_cast<__mmask16>((1u << (nb - 16)) - 1));
-  for (int64_t r = 0; r < rows; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    _mm512_mask_storeu_ps(y, lo, acc[r][0]);
-    _mm512_mask_storeu_ps(y + 16, hi, acc[r][1]);
-  }
+  for (int64_t r = 0; r < rows; ++r) avx512vnni::store_row(p, acc[r], m0 + r, n0, nb);
 }
 
 // Panels pn0 .. pn1 - 1 for every row of x, 16 rows at a time.

@@ -107,6 +107,29 @@ void pack_panel(const W8A8Problem& p, int64_t n0, int64_t nb, PackedPanel& pp) {
   }
 }
 
+// The ref's rescale of one group's int32 sums for row m of x, 16 columns a vector, added
+// to that row's float32 sums: acc + ((s_x s_w) * float(I) [+ m_w sum_x]).
+template <bool INT4>
+inline __m512 rescale_add(const W8A8Problem& p, __m512 acc, __m512 xs, __m512 sw, __m512 mw,
+                          __m512i i32, int64_t m, int64_t g) {
+  __m512 term = _mm512_mul_ps(_mm512_mul_ps(xs, sw), _mm512_cvtepi32_ps(i32));
+  if constexpr (INT4) {
+    const __m512 xsum = _mm512_set1_ps(p.xsum[m * p.groups + g]);
+    term = _mm512_add_ps(term, _mm512_mul_ps(mw, xsum));
+  }
+  return _mm512_add_ps(acc, term);
+}
+
+// y[m, n0 .. n0 + nb - 1] from a panel row's two vectors of sums (columns past nb dropped).
+inline void store_row(const W8A8Problem& p, const __m512 acc[2], int64_t m, int64_t n0,
+                      int64_t nb) {
+  const __mmask16 lo = nb >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nb) - 1);
+  const __mmask16 hi = nb >= 32 ? 0xFFFF : (nb <= 16 ? 0 : static_cast<__mmask16>((1u << (nb - 16)) - 1));
+  float* y = p.y + m * p.n + n0;
+  _mm512_mask_storeu_ps(y, lo, acc[0]);
+  _mm512_mask_storeu_ps(y + 16, hi, acc[1]);
+}
+
 // Rows m0 .. m0 + ROWS - 1 of x times the panel: y[m, n0 .. n0 + nb - 1]. `x` is q_x, or
 // q_x + 128 as unsigned bytes for int8 weights.
 template <bool INT4, int ROWS>
@@ -164,20 +187,9 @@ void gemm_block(const W8A8Problem& p, const PackedPanel& pp, const uint8_t* x, i
       const __m512 xs = _mm512_set1_ps(p.xs[(m0 + r) * groups + g]);
       for (int h = 0; h < 2; ++h) {
         const __m512i i32 = INT4 ? isum[r][h] : _mm512_sub_epi32(isum[r][h], comp[h]);
-        __m512 term = _mm512_mul_ps(_mm512_mul_ps(xs, sw[h]), _mm512_cvtepi32_ps(i32));
-        if constexpr (INT4) {
-          const __m512 xsum = _mm512_set1_ps(p.xsum[(m0 + r) * groups + g]);
-          term = _mm512_add_ps(term, _mm512_mul_ps(mw[h], xsum));
-        }
-        acc[r][h] = _mm512_add_ps(acc[r][h], term);
+        acc[r][h] = rescale_add<INT4>(p, acc[r][h], xs, sw[h], INT4 ? mw[h] : xs, i32, m0 + r, g);
       }
     }
   }
-  const __mmask16 lo = nb >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nb) - 1);
-  const __mmask16 hi = nb >= 32 ? 0xFFFF : (nb <= 16 ? 0 : static_cast<__mmask16>((1u << (nb - 16)) - 1));
-  for (int r = 0; r < ROWS; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    _mm512_mask_storeu_ps(y, lo, acc[r][0]);
-    _mm512_mask_storeu_ps(y + 16, hi, acc[r][1]);
-  }
+  for (int r = 0; r < ROWS; ++r) store_row(p, acc[r], m0 + r, n0, nb);
 }
