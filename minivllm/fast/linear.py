@@ -60,10 +60,13 @@ from minivllm import distributed
 from minivllm.fast.linear_kernel import FLOAT_GEMV_MAX_ROWS
 from minivllm.fast.linear_prepack import (  # noqa: F401  (prepack_weight, packed_rows: API)
     PACKED_CHUNK_ROWS,
+    PANEL_MAX_ROWS,
+    PanelWeight,
     Prepacked,
     packed_linear,
     packed_rows,
     prepack_weight,
+    prepacked_linear,
 )
 from minivllm.quantized_weight import QuantizedWeight
 from minivllm.tp_shards import (
@@ -122,7 +125,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``x``'s dtype, which may be float32 or bfloat16). ``portable=True`` forces
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
     ``packed`` is :func:`prepack_weight`'s copy of ``weight``: more rows than the GEMV
-    takes then run oneDNN's GEMM on it (:func:`packed_linear`: chunks of at most
+    takes then run :func:`prepacked_linear` on it (float32 with AVX-512: the C++ panel
+    GEMM up to :data:`PANEL_MAX_ROWS` rows; else oneDNN's GEMM in chunks of at most
     :data:`PACKED_CHUNK_ROWS` rows, rounded up to :func:`packed_rows`).
     A :class:`~minivllm.ref.quantization.QuantizedWeight` multiplies through the
     quantization component it was made with.
@@ -133,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return apply_linear(x, weight, bias)
     if not _gemv_applies(x, weight):
         if packed is not None and x.dtype == weight.dtype and not torch.compiler.is_compiling():
-            return packed_linear(x, packed, bias, weight.shape[0])
+            return prepacked_linear(x, weight, packed, bias)
         return F.linear(x, weight, bias)
     from minivllm.fast import cpu_ops
 

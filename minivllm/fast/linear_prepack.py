@@ -1,21 +1,84 @@
-"""Prepacked float weights: oneDNN's GEMM for the rows the C++ GEMV does not take.
+"""Prepacked float weights: the GEMMs for the rows the C++ GEMV does not take.
 
 :func:`minivllm.fast.linear.linear` sends a CPU float projection with more token
 rows than the GEMV's (:data:`minivllm.fast.linear.GEMV_MAX_ROWS`) to
-:func:`packed_linear`: oneDNN's GEMM on a copy of the weight reordered once at load
-(:func:`prepack_weight`), in chunks of at most :data:`PACKED_CHUNK_ROWS` rows whose
-counts go through :func:`packed_rows`, so that the process does not keep a compiled
-GEMM for every count it ever met (docs/serving.md, "Memory over time"). Tested in
-``tests/test_prepack.py`` and ``tests/test_memory_growth.py``.
+:func:`prepacked_linear`, with the copy of the weight :func:`prepack_weight` made
+once at load. Two kinds of copy:
+
+- float32 where the C++ build has AVX-512 (``gemm_panels_width() > 0``): a
+  :class:`PanelWeight`, the weight in (P, K, 48) panels for ``torch.ops.minivllm.gemm_panels``
+  (``csrc/gemm_panels.cpp``), which prefetches the next panel while it multiplies
+  this one. It takes up to :data:`PANEL_MAX_ROWS` rows (a decode batch); more (a
+  prefill) run ``F.linear`` on the plain weight, as fast as oneDNN's there.
+- otherwise (bf16, or no AVX-512): oneDNN's blocked copy, for :func:`packed_linear`:
+  oneDNN's GEMM in chunks of at most :data:`PACKED_CHUNK_ROWS` rows whose counts go
+  through :func:`packed_rows`, so that the process does not keep a compiled GEMM for
+  every count it ever met (docs/serving.md, "Memory over time").
+
+Tested in ``tests/test_prepack.py`` and ``tests/test_memory_growth.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 #: The most token rows one oneDNN call takes; more run in chunks of this many (within
 #: 4% of one call for 700-4096 rows, and 5-12% ahead of ``F.linear``, on the EPYC).
 PACKED_CHUNK_ROWS = 512
+
+
+#: The most token rows :func:`panel_linear` takes; more run ``F.linear`` on the plain weight.
+#: Measured on the Xeon (2 threads, SmolLM2's 30 layers, weights in memory): the panels
+#: took 26 / 52 / 99 / 201 ms at 24 / 64 / 128 / 256 rows against oneDNN's prepacked
+#: 41 / 72 / 113 / 199 and ``F.linear``'s 205 at 256; at 512 rows 404 against 371 / 374.
+PANEL_MAX_ROWS = 256
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A float32 weight ``(N, K)`` as ``gemm_panels``' panels ``(P, K, width)``, zero-padded.
+
+    Panel ``p`` holds output features ``p * width .. p * width + width - 1``, each input
+    feature's ``width`` weights side by side (the order the kernel's k loop reads).
+    """
+
+    panels: torch.Tensor
+    n: int
+
+
+def pack_panels(weight: torch.Tensor, width: int) -> PanelWeight:
+    """``weight`` (N, K) as :class:`PanelWeight` panels of ``width`` output features."""
+    n, k = weight.shape
+    p = -(-n // width)
+    padded = weight.new_zeros(p * width, k)
+    padded[:n] = weight
+    return PanelWeight(padded.view(p, width, k).transpose(1, 2).contiguous(), n)
+
+
+def panel_linear(x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` by ``torch.ops.minivllm.gemm_panels``, ``(..., K) -> (..., N)``."""
+    from minivllm.fast import cpu_ops
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], packed.n, dtype=x.dtype)
+    cpu_ops.ops().gemm_panels(out, rows, packed.panels,
+                              None if bias is None else bias.contiguous())
+    return out.view(*x.shape[:-1], packed.n)
+
+
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, packed: PanelWeight | torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` on :func:`prepack_weight`'s copy ``packed`` of ``weight``."""
+    if isinstance(packed, PanelWeight):
+        if x.numel() // max(1, x.shape[-1]) <= PANEL_MAX_ROWS:
+            return panel_linear(x, packed, bias)
+        return F.linear(x, weight, bias)
+    return packed_linear(x, packed, bias, weight.shape[0])
 
 
 def packed_rows(m: int) -> int:
@@ -61,31 +124,46 @@ def _gemm(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:count]
 
 
-def prepack_weight(weight) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a float CPU weight, for :func:`packed_linear`; else None.
+def prepack_weight(weight, panels: bool = True) -> PanelWeight | torch.Tensor | None:
+    """The copy of a float CPU weight :func:`prepacked_linear` multiplies by; else None.
+
+    A float32 weight becomes :class:`PanelWeight` panels where the C++ build has
+    ``gemm_panels`` (and ``panels`` is True); otherwise the copy is oneDNN's blocked one.
 
     A GEMM library reorders the weight into its blocked layout on every call; with
     a decode batch (64 rows x SmolLM2's 576 features) that reorder is a large part
     of the call. Done once at load it is not repeated (vLLM's CPU backend prepacks
     its oneDNN weights the same way), at the cost of a second copy of each float
     weight: the small-M GEMV reads the plain one. ``EngineConfig.prepack=False``
-    (``$MINIVLLM_PREPACK=0``) turns it off; quantized weights, CUDA and a torch
-    without oneDNN are never packed.
+    (``$MINIVLLM_PREPACK=0``) turns it off; quantized weights and CUDA are never
+    packed, nor is anything on a torch without oneDNN but the panels.
     """
     if (not isinstance(weight, torch.Tensor)
             or weight.device.type != "cpu" or weight.dim() != 2
-            or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not torch.backends.mkldnn.is_available()):
+            or weight.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    if panels and weight.dtype == torch.float32 and _panel_width():
+        return pack_panels(weight.detach(), _panel_width())
+    if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None  # oneDNN's bf16 GEMM needs AVX-512 (or AVX-NE-CONVERT)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+def _panel_width() -> int:
+    """``gemm_panels``' panel width in this C++ build; 0 where it has none (or no build)."""
+    from minivllm.fast import cpu_ops
+
+    if cpu_ops.build()[0] is None:  # no compiler: the ref kernels run, and oneDNN's GEMM
+        return 0
+    return int(torch.ops.minivllm.gemm_panels_width())
+
+
 class Prepacked:
     """A layer whose float weight :func:`prepack_weight` copies once its weights are loaded."""
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: PanelWeight | torch.Tensor | None = None
 
     def process_weights_after_loading(self, *, prepack: bool = True) -> None:
         """Called by the loader after every weight is loaded (and quantized).

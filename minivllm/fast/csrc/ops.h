@@ -139,6 +139,10 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
 void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, bool portable);
 bool gemv_has_avx512_bf16();
+// float32 GEMM over weight panels packed at load (gemm_panels.cpp); width 0: not built.
+int64_t gemm_panels_width();
+void gemm_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                 const std::optional<at::Tensor>& bias);
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                  const at::Tensor& scales, bool portable);
 void int4_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,

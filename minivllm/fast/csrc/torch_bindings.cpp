@@ -33,6 +33,9 @@ TORCH_LIBRARY(minivllm, m) {
       "bool portable) -> ()");
   // No tensors: a plain function, the same on every device.
   m.def("gemv_has_avx512_bf16() -> bool", &minivllm::gemv_has_avx512_bf16);
+  // float32 x @ W^T + b on W packed as (P, K, width) panels; width 0: not in this build.
+  m.def("gemm_panels_width() -> int", &minivllm::gemm_panels_width);
+  m.def("gemm_panels(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
   // portable=True: the plain loop even where the AVX2 tiles exist (for tests).
   m.def(
       "int8_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, "
@@ -94,6 +97,7 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("silu_and_mul", &minivllm::silu_and_mul);
   m.impl("rotary_embedding", &minivllm::rotary_embedding);
   m.impl("linear_small_m", &minivllm::linear_small_m);
+  m.impl("gemm_panels", &minivllm::gemm_panels);
   m.impl("int8_linear", &minivllm::int8_linear);
   m.impl("int4_linear", &minivllm::int4_linear);
   m.impl("quantize_activations_int8", &minivllm::quantize_activations_int8);
