@@ -222,9 +222,20 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
         // Key t lives in block table[t / bs], slot t % bs: one division a tile, then the
         // slot steps along (a 64-bit division per key cost more than its dot products).
         locate_keys(table, t0, kt, block_size, c_sb, c_ss, key_slot, key_off);
-        // Where the next tile's keys are, to prefetch them while this tile is scored.
-        const int64_t next_kt = std::clamp<int64_t>(num_keys - t0 - KEY_TILE, 0, KEY_TILE);
-        locate_keys(table, t0 + KEY_TILE, next_kt, block_size, c_sb, c_ss, next_slot, next_off);
+        // Where the next tile's keys are, to prefetch them while this tile is scored: this
+        // item's next tile, or after its last one the first tile of the next row item this
+        // thread runs (unprefetched, a decode item's first tile is a fifth of its reads).
+        int64_t next_kt = std::clamp<int64_t>(num_keys - t0 - KEY_TILE, 0, KEY_TILE);
+        if (next_kt > 0) {
+          locate_keys(table, t0 + KEY_TILE, next_kt, block_size, c_sb, c_ss, next_slot, next_off);
+        } else if (w + 1 < bounds[part_end] && !items[w + 1].tiled) {
+          const Item& after = items[w + 1];
+          const int64_t after_keys =
+              lens[after.seq] - (qsl[after.seq + 1] - qsl[after.seq]) + after.row_end;
+          next_kt = std::min(KEY_TILE, after_keys);
+          locate_keys(tables + after.seq * table_stride, 0, next_kt, block_size, c_sb, c_ss,
+                      next_slot, next_off);
+        }
         // Every KV head of the tile while its rows are in cache: a token's heads are
         // adjacent in memory, so the item reads the cache as whole contiguous rows.
         for (int64_t h = it.head_begin; h < it.head_end; ++h) {
