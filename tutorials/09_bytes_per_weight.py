@@ -331,6 +331,12 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # because every group has its own activation scale): the rescale of each group's sums in
 # AVX-512 is then most of the work, and on that Xeon the batch-64 matmuls ran 1.1-1.3x
 # faster than with AVX512-VNNI. At batch 1 none of them matters: the bytes do.
+#
+# Float32 at batch 64 sits between the two regimes: its 540 MB of weights still take
+# about 20 ms a step to read, and its GEMM is bound by arithmetic once they are in
+# cache. oneDNN's GEMM does the two one after the other; minivllm's own float32 GEMM
+# (``csrc/gemm_panels.cpp``, with AVX-512) asks for the next panel of weights while it
+# multiplies this one, and on that Xeon the batch-64 float32 step got 14% shorter.
 
 # %%
 from minivllm.bench._harness import cpu_flags  # noqa: E402
