@@ -18,7 +18,13 @@ import torch
 
 from minivllm.fast import cpu_ops
 from minivllm.fast import quantization as fast_quantization
-from minivllm.fast.linear_kernel import KINDS, kind_numbers, projection_kernel
+from minivllm.fast.linear_kernel import (
+    FLOAT_GEMV_MAX_ROWS,
+    KINDS,
+    kind_numbers,
+    projection_kernel,
+)
+from minivllm.fast.linear_prepack import PANEL_MAX_ROWS, PanelWeight, prepack_weight
 from minivllm.ref import quantization as ref_quantization
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ ops did not build")
@@ -34,6 +40,24 @@ def test_python_and_cpp_kind_tables_hold_the_same_names() -> None:
 
 def test_activation_group_size_is_the_refs() -> None:
     assert cpu_ops.ops().act_group_size() == ref_quantization.ACT_GROUP_SIZE
+
+
+def test_python_and_cpp_float_gemv_rows_agree() -> None:
+    """The layer stack's C++ switch from the GEMV to the panels, and Python's."""
+    assert cpu_ops.ops().float_gemv_max_rows() == FLOAT_GEMV_MAX_ROWS
+
+
+def test_a_float32_weight_with_panels_serves_more_rows() -> None:
+    w = _weights()["float32"]
+    packed = prepack_weight(w)
+    got = projection_kernel(w, packed)
+    if not isinstance(packed, PanelWeight):  # no AVX-512 in this build: the GEMV alone
+        assert (got.kind, got.max_rows) == ("float", FLOAT_GEMV_MAX_ROWS)
+        return
+    assert (got.kind, got.max_rows) == ("float", PANEL_MAX_ROWS)
+    assert got.tensors[0] is w and got.tensors[1] is packed.panels
+    bf16 = w.bfloat16()  # oneDNN's copy, or none: the GEMV's rows
+    assert projection_kernel(bf16, prepack_weight(bf16)).max_rows == FLOAT_GEMV_MAX_ROWS
 
 
 def _weights() -> dict[str, object]:

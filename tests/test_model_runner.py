@@ -21,6 +21,7 @@ from conftest import _ARCHS, TINY_CONFIGS
 
 from minivllm import LLM, SamplingParams
 from minivllm.fast import cpu_ops
+from minivllm.fast.linear_prepack import _panel_width
 from minivllm.model.architectures import MODEL_REGISTRY
 from minivllm.model.llama import LlamaDecoderLayer
 
@@ -127,6 +128,10 @@ def test_cpp_layer_stack_gives_the_models_own_bits_for_every_weight_kind(
     rows = _stack_rows(monkeypatch)
     assert _generate(fast, prompts, 10) == expect
     assert rows
+    if dtype == "float32" and quantization is None and _panel_width():
+        # float32 weights with panels: the prefill steps' 17-32 rows ran the panel GEMM
+        # inside the stack too (the GEMV takes up to 16)
+        assert max(rows) > cpu_ops.ops().float_gemv_max_rows()
 
 
 @needs_cpp

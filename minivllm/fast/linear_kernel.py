@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.fast.linear_prepack import PANEL_MAX_ROWS, PanelWeight
 from minivllm.quantized_weight import QuantizedWeight
 
 __all__ = ["KINDS", "ProjectionKernel", "projection_kernel", "kind_numbers"]
@@ -51,7 +52,8 @@ class ProjectionKernel:
 
     Attributes:
         kind: one of :data:`KINDS`.
-        tensors: ``(weight, weight, weight)`` for a float weight, ``(qweight,
+        tensors: ``(weight, weight, weight)`` for a float weight (``(weight, panels,
+            weight)`` with panels), ``(qweight,
             scales, scales)`` for int8 and ``(qweight, scales, mins)`` for
             int4: three a projection, as the layer stack packs them (the
             repeats are placeholders its kernels do not read).
@@ -66,8 +68,16 @@ class ProjectionKernel:
     max_rows: int | None
 
 
-def projection_kernel(weight: torch.Tensor | QuantizedWeight) -> ProjectionKernel | str:
+def projection_kernel(weight: torch.Tensor | QuantizedWeight,
+                      packed: object = None) -> ProjectionKernel | str:
     """The :class:`ProjectionKernel` that multiplies ``weight``, or why none does (a string).
+
+    ``packed``: the layer's prepacked copy (:func:`~minivllm.fast.linear_prepack.prepack_weight`).
+    A float32 weight with :class:`~minivllm.fast.linear_prepack.PanelWeight` panels runs
+    the GEMV up to :data:`FLOAT_GEMV_MAX_ROWS` rows and the panel GEMM above, to
+    :data:`~minivllm.fast.linear_prepack.PANEL_MAX_ROWS` (the layer stack's rule, and the
+    linear forward's: :func:`minivllm.fast.linear.linear`); without ``packed`` the
+    kernel is the GEMV alone.
 
     Where none does, the linear forward takes the ref's (or ``F.linear``'s)
     path and the layer stack does not run. (Whether the fast twin multiplies a
@@ -97,6 +107,8 @@ def projection_kernel(weight: torch.Tensor | QuantizedWeight) -> ProjectionKerne
         return f"a {weight.dtype} {tuple(weight.shape)} weight"
     if not cpu_ops.available():
         return "the C++ ops did not build"
+    if isinstance(packed, PanelWeight):  # the GEMV, then the panel GEMM above its rows
+        return ProjectionKernel("float", (weight, packed.panels, weight), PANEL_MAX_ROWS)
     return ProjectionKernel("float", (weight, weight, weight), FLOAT_GEMV_MAX_ROWS)
 
 

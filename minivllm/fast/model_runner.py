@@ -254,7 +254,7 @@ def _projection(layer: torch.nn.Module) -> ProjectionKernel | str:
     # The model's forward multiplies a quantized weight through the component it carries.
     if isinstance(w, QuantizedWeight) and w.ops is not fast_quantization:
         return "a quantized weight not served by the fast quantization twin"
-    return projection_kernel(w)
+    return projection_kernel(w, getattr(layer, "packed_weight", None))
 
 
 def _lora_mapping(lora: Any) -> tuple[torch.Tensor | None, ...]:

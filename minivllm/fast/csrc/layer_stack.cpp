@@ -25,7 +25,8 @@
 // slots in place), and the step's token -> slot map (sorted_tokens, seg_starts, seg_slots;
 // None: no token has an adapter in this step).
 //
-// A projection is float (the small-M GEMV, gemv.cpp) or quantized (int8 / int4 weights,
+// A projection is float (the small-M GEMV, gemv.cpp; for a float32 weight with panels, the
+// panel GEMM above its rows, gemm_panels.cpp) or quantized (int8 / int4 weights,
 // quant.cpp; or W8A8 / W4A8, quant_w8a8.cpp: the activations quantized per token first);
 // the Python side (fast/model_runner.py) calls this only where every
 // projection would take one of those ops anyway (few rows, no bias, one rank),
@@ -46,7 +47,8 @@ namespace {
 // order (decode_layers_kinds()) and passes each projection's index
 // (fast/linear_kernel.py decides the kind, fast/model_runner.py packs it).
 enum Kind : int64_t {
-  FLOAT_WEIGHT,  // "float": weight (N, K) float32 / bf16
+  FLOAT_WEIGHT,  // "float": weight (N, K) float32 / bf16; then its gemm_panels panels
+                 // (P, K, width) where it has them, else the weight again
   INT8_WEIGHT,   // "w8a16": qweight int8 (N, K), scales (N, G)
   INT4_WEIGHT,   // "w4a16": qweight uint8 (N, K / 2), scales and mins (N, K / 32)
   INT8_W8A8,     // "w8a8": w8a16's tensors; int8 activations
@@ -61,8 +63,12 @@ constexpr int64_t PROJECTIONS_PER_LAYER = 4;   // qkv, o, gate_up, down
 // quantized op writes float32; like quantized_linear's .to(x.dtype), a bf16 y gets a
 // rounded copy.
 void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor* t) {
-  if (kind == FLOAT_WEIGHT) {
-    linear_small_m(y, x, t[0], std::nullopt, false);
+  if (kind == FLOAT_WEIGHT) {  // the linear forward's rule: the GEMV, then the panels
+    if (x.size(0) > FLOAT_GEMV_MAX_ROWS && t[1].dim() == 3) {
+      gemm_panels(y, x, t[1], std::nullopt);
+    } else {
+      linear_small_m(y, x, t[0], std::nullopt, false);
+    }
     return;
   }
   TORCH_CHECK(kind > FLOAT_WEIGHT && kind < NUM_KINDS, "decode_layers: unknown kind ", kind);
@@ -112,6 +118,8 @@ std::vector<std::string> decode_layers_kinds() {
 }
 
 int64_t act_group_size() { return ACT_GROUP_SIZE; }
+
+int64_t float_gemv_max_rows() { return FLOAT_GEMV_MAX_ROWS; }
 
 void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,

@@ -32,6 +32,11 @@ namespace minivllm {
 // the ref's ACT_GROUP_SIZE.
 constexpr int64_t ACT_GROUP_SIZE = 32;
 
+// Rows up to which a float projection runs the GEMV (gemv.cpp); above it, the panel GEMM
+// where the weight has panels. Python's minivllm.fast.linear_kernel.FLOAT_GEMV_MAX_ROWS;
+// float_gemv_max_rows() lets a test check that the two agree.
+constexpr int64_t FLOAT_GEMV_MAX_ROWS = 16;
+
 // Partial sums kept side by side in a reduction: one 512-bit vector of floats.
 constexpr int LANES = 16;
 
@@ -178,6 +183,7 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
 // The projection kinds decode_layers takes, in the order of their numbers.
 std::vector<std::string> decode_layers_kinds();
 int64_t act_group_size();
+int64_t float_gemv_max_rows();
 std::string cpu_parallel_mode(std::string_view name);
 std::vector<int64_t> cpu_team_stats();
 int64_t parallel_for_coverage(at::Tensor& counts, int64_t grain, int64_t throw_at,

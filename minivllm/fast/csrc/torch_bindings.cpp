@@ -65,10 +65,12 @@ TORCH_LIBRARY(minivllm, m) {
       "int num_kv_heads, int head_dim, float scale, Tensor(e!)[] k_scales, "
       "Tensor(f!)[] v_scales, Tensor[] lora_a, Tensor[] lora_b, Tensor[] lora_scalings, "
       "int[] lora_slices, Tensor? sorted_tokens, Tensor? seg_starts, Tensor? seg_slots) -> ()");
-  // decode_layers' projection kinds by name, index = the number `kinds` holds; and the
-  // activation group of W8A8 / W4A8 (both read by minivllm/fast/linear_kernel.py).
+  // decode_layers' projection kinds by name, index = the number `kinds` holds; the
+  // activation group of W8A8 / W4A8; the float GEMV's most rows (all three checked
+  // against minivllm/fast/linear_kernel.py).
   m.def("decode_layers_kinds() -> str[]", &minivllm::decode_layers_kinds);
   m.def("act_group_size() -> int", &minivllm::act_group_size);
+  m.def("float_gemv_max_rows() -> int", &minivllm::float_gemv_max_rows);
   // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   // Each token's own LoRA adapter delta, tokens grouped by adapter slot (lora.cpp).
