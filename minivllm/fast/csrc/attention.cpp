@@ -224,16 +224,18 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query,
         locate_keys(table, t0, kt, block_size, c_sb, c_ss, key_slot, key_off);
         // Where the next tile's keys are, to prefetch them while this tile is scored: this
         // item's next tile, or after its last one the first tile of the next row item this
-        // thread runs (unprefetched, a decode item's first tile is a fifth of its reads).
+        // thread runs, if it reads the same KV heads (the prefetch below asks for this
+        // item's heads; unprefetched, a decode item's first tile is a fifth of its reads).
         int64_t next_kt = std::clamp<int64_t>(num_keys - t0 - KEY_TILE, 0, KEY_TILE);
+        const Item* after = w + 1 < bounds[part_end] ? &items[w + 1] : nullptr;
         if (next_kt > 0) {
           locate_keys(table, t0 + KEY_TILE, next_kt, block_size, c_sb, c_ss, next_slot, next_off);
-        } else if (w + 1 < bounds[part_end] && !items[w + 1].tiled) {
-          const Item& after = items[w + 1];
+        } else if (after != nullptr && !after->tiled && after->head_begin == it.head_begin &&
+                   after->head_end == it.head_end) {
           const int64_t after_keys =
-              lens[after.seq] - (qsl[after.seq + 1] - qsl[after.seq]) + after.row_end;
+              lens[after->seq] - (qsl[after->seq + 1] - qsl[after->seq]) + after->row_end;
           next_kt = std::min(KEY_TILE, after_keys);
-          locate_keys(tables + after.seq * table_stride, 0, next_kt, block_size, c_sb, c_ss,
+          locate_keys(tables + after->seq * table_stride, 0, next_kt, block_size, c_sb, c_ss,
                       next_slot, next_off);
         }
         // Every KV head of the tile while its rows are in cache: a token's heads are
