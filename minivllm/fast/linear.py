@@ -60,10 +60,7 @@ from minivllm import distributed
 from minivllm.fast.linear_kernel import FLOAT_GEMV_MAX_ROWS
 from minivllm.fast.linear_prepack import (  # noqa: F401  (prepack_weight, packed_rows: API)
     PACKED_CHUNK_ROWS,
-    PANEL_MAX_ROWS,
-    PanelWeight,
     Prepacked,
-    packed_linear,
     packed_rows,
     prepack_weight,
     prepacked_linear,
@@ -126,8 +123,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     that op's float32-FMA path even where AVX-512 BF16 is there (for tests).
     ``packed`` is :func:`prepack_weight`'s copy of ``weight``: more rows than the GEMV
     takes then run :func:`prepacked_linear` on it (float32 with AVX-512: the C++ panel
-    GEMM up to :data:`PANEL_MAX_ROWS` rows; else oneDNN's GEMM in chunks of at most
-    :data:`PACKED_CHUNK_ROWS` rows, rounded up to :func:`packed_rows`).
+    GEMM up to :data:`~minivllm.fast.linear_prepack.PANEL_MAX_ROWS` rows; else oneDNN's
+    GEMM in chunks of at most :data:`PACKED_CHUNK_ROWS` rows, rounded up to
+    :func:`packed_rows`).
     A :class:`~minivllm.ref.quantization.QuantizedWeight` multiplies through the
     quantization component it was made with.
     """

@@ -69,7 +69,7 @@ class ProjectionKernel:
 
 
 def projection_kernel(weight: torch.Tensor | QuantizedWeight,
-                      packed: object = None) -> ProjectionKernel | str:
+                      packed: PanelWeight | torch.Tensor | None = None) -> ProjectionKernel | str:
     """The :class:`ProjectionKernel` that multiplies ``weight``, or why none does (a string).
 
     ``packed``: the layer's prepacked copy (:func:`~minivllm.fast.linear_prepack.prepack_weight`).

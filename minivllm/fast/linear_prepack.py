@@ -142,8 +142,9 @@ def prepack_weight(weight, panels: bool = True) -> PanelWeight | torch.Tensor | 
             or weight.device.type != "cpu" or weight.dim() != 2
             or weight.dtype not in (torch.float32, torch.bfloat16)):
         return None
-    if panels and weight.dtype == torch.float32 and _panel_width():
-        return pack_panels(weight.detach(), _panel_width())
+    width = _panel_width() if panels and weight.dtype == torch.float32 else 0
+    if width:
+        return pack_panels(weight.detach(), width)
     if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -1,4 +1,4 @@
-// A float32 GEMM for decode batches: y = x W^T + b with tens of rows (17 <= M <= ~128).
+// A float32 GEMM for decode batches: y = x W^T + b with tens of rows (17 <= M <= 256).
 //
 // Between the small-M GEMV (gemv.cpp, up to 16 rows, bound by reading the weights)
 // and a prefill's hundreds of rows (oneDNN, bound by arithmetic) lies the batch-64
