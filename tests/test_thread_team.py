@@ -62,14 +62,55 @@ def coverage(n: int, grain: int, **kw) -> tuple[torch.Tensor, int]:
     return counts, by_caller
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(n=st.integers(0, 5000), grain=st.integers(1, 700), threads=st.sampled_from([1, 2, 3, 5]),
-       mode=st.sampled_from(["adaptive", "team", "openmp"]))
-def test_every_index_runs_exactly_once(n, grain, threads, mode):
+       mode=st.sampled_from(["adaptive", "team", "openmp", "steal"]), revocable=st.booleans())
+def test_every_index_runs_exactly_once(n, grain, threads, mode, revocable):
     with num_threads(threads), parallel_mode(mode):
-        counts, by_caller = coverage(n, grain)
+        counts, by_caller = coverage(n, grain, revocable=revocable)
     assert torch.equal(counts, torch.ones(n, dtype=torch.int32))
     assert 0 <= by_caller <= n
+
+
+def test_a_late_helpers_revocable_chunk_is_taken_over_and_its_copy_dropped():
+    """A revocable loop: helpers sleep 300 ms in each chunk before they write (a helper
+    whose core another process holds). The caller takes their chunks over and returns
+    with every index written once, by itself; the helpers, waking after the call is
+    over, must write nothing, and the team must serve the next loops as usual."""
+    import time
+
+    with num_threads(3), parallel_mode("team"):
+        stolen0 = cpu_ops.ops().cpu_team_stats()[3]
+        n = 1200
+        for _ in range(10):  # until a helper has claimed a chunk (it wakes in microseconds)
+            coverage(n, 1)  # the helpers are awake
+            # The caller sleeps 1 ms in each of its chunks: a helper claims one meanwhile.
+            counts, by_caller = coverage(n, 1, helper_delay_us=300_000, caller_delay_us=1000,
+                                         revocable=True)
+            assert torch.equal(counts, torch.ones(n, dtype=torch.int32))
+            assert by_caller == n  # the helpers' chunks too: the caller wrote them
+            if cpu_ops.ops().cpu_team_stats()[3] > stolen0:
+                break
+        assert cpu_ops.ops().cpu_team_stats()[3] > stolen0
+        for _ in range(20):  # the next loops, while the late helpers still sleep
+            again, _ = coverage(777, 1, revocable=True)
+            assert torch.equal(again, torch.ones(777, dtype=torch.int32))
+        time.sleep(0.5)  # the helpers woke: their late copies were dropped
+        assert torch.equal(counts, torch.ones(n, dtype=torch.int32))
+        again, _ = coverage(n, 1)
+        assert torch.equal(again, torch.ones(n, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["team", "steal"])
+def test_a_revocable_chunks_error_reaches_the_caller(mode):
+    with num_threads(2), parallel_mode(mode):
+        for throw_at in (0, 999, 1500):
+            counts = torch.zeros(1501, dtype=torch.int32)
+            with pytest.raises(RuntimeError, match=f"index {throw_at} raises"):
+                cpu_ops.ops().parallel_for_coverage(counts, 1, throw_at, revocable=True)
+            assert counts[throw_at] == 0
+            counts, _ = coverage(1501, 1, revocable=True)
+            assert torch.equal(counts, torch.ones(1501, dtype=torch.int32))
 
 
 def test_a_late_helpers_chunks_are_taken_by_the_caller():
@@ -91,7 +132,7 @@ def test_two_late_jobs_send_the_next_ones_to_the_caller_alone():
 
     with num_threads(2), parallel_mode("adaptive"):
         coverage(64, 1)
-        team0, solo0, late0 = cpu_ops.ops().cpu_team_stats()
+        team0, solo0, late0, _ = cpu_ops.ops().cpu_team_stats()
         # The helper (spinning after the last job) takes a chunk and holds it 20 ms,
         # while the caller runs the other 7 in 0.2 ms each and then waits for it.
         for _ in range(2):
@@ -100,7 +141,7 @@ def test_two_late_jobs_send_the_next_ones_to_the_caller_alone():
         late_at = time.monotonic()
         counts, by_caller = coverage(64, 1)
         elapsed = time.monotonic() - late_at
-        team1, solo1, late1 = cpu_ops.ops().cpu_team_stats()
+        team1, solo1, late1, _ = cpu_ops.ops().cpu_team_stats()
         assert torch.equal(counts, torch.ones(64, dtype=torch.int32))
         if late1 - late0 >= 2 and elapsed < 0.2:
             assert solo1 == solo0 + 1 and by_caller == 64
@@ -118,9 +159,9 @@ def test_a_chunks_error_reaches_the_caller_and_the_team_serves_on():
 
 
 def test_bad_mode_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="'adaptive', 'team' or 'openmp'"):
+    with pytest.raises(RuntimeError, match="'adaptive', 'team', 'openmp' or 'steal'"):
         cpu_ops.ops().cpu_parallel_mode("tbb")
-    assert cpu_ops.ops().cpu_parallel_mode("") in ("adaptive", "team", "openmp")
+    assert cpu_ops.ops().cpu_parallel_mode("") in ("adaptive", "team", "openmp", "steal")
 
 
 def test_two_python_threads_share_the_team():
@@ -224,3 +265,25 @@ def test_resizing_the_team_never_hangs():
     except subprocess.TimeoutExpired:
         pytest.fail("parallel_for hung while the team was resized")
     assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 5), n=st.integers(1, 300), k=st.integers(1, 200),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_the_gemv_is_right_when_the_caller_takes_every_late_chunk_over(m, n, k, dtype, seed):
+    """``linear_small_m`` is revocable: in mode "steal" the caller reruns every chunk a
+    helper has not finished, and the helpers' copies are dropped. The result must be
+    the team's bit for bit, and within rounding of the float64 product."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    want = (x.double() @ w.double().T)
+    outs = {}
+    with num_threads(3):
+        for mode in ("team", "steal"):
+            with parallel_mode(mode):
+                outs[mode] = torch.empty(m, n, dtype=dtype)
+                cpu_ops.ops().linear_small_m(outs[mode], x, w, None, False)
+    assert torch.equal(outs["steal"], outs["team"])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(outs["steal"].double(), want, rtol=tol, atol=tol * (k ** 0.5))

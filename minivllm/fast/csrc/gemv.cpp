@@ -25,11 +25,14 @@
 //   (1 row) does not keep two cores streaming (docs/kernels.md has the numbers).
 // - K tails (K % 32 on the BF16 path) are masked loads, never reads past a row;
 //   the portable path's K % 8 tail is a scalar loop.
-// - Output features are split over threads with parallel_for (thread_team.h).
+// - Output features are split over threads with parallel_for_revocable (thread_team.h):
+//   a chunk computes into its own buffer and writes `out` only if the caller has not
+//   taken it over, so a helper whose core another process holds never holds up a step.
 #include "ops.h"
 
 #include <c10/util/BFloat16.h>
 
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -171,6 +174,7 @@ void gemv_rows(const float* x, int64_t M, int64_t K, const W* w, float* out, int
   std::vector<float> buf(std::is_same_v<W, float> ? 0 : C * K);  // bf16 rows, widened
   const int64_t width = n1 - n0;
   for (int64_t n = n0; n < n1; n += C) {
+    if (chunk_cancelled()) return;  // the caller took this chunk over: its copy counts
     const int64_t nb = std::min(C, n1 - n);
     const float* wr[C];
     weight_rows<C>(w, n, nb, K, buf.data(), wr);
@@ -215,6 +219,7 @@ void gemv_avx512bf16(const uint16_t* x, int parts, int64_t M, int64_t K, const u
   const __mmask32 tail = static_cast<__mmask32>((1ull << (K - k_full)) - 1);
   const int64_t width = n1 - n0;
   for (int64_t n = n0; n < n1; n += NB) {
+    if (chunk_cancelled()) return;  // the caller took this chunk over: its copy counts
     const int64_t nb = std::min(NB, n1 - n);
     const uint16_t* wr[NB];
     for (int64_t j = 0; j < NB; ++j) wr[j] = w + (n + std::min(j, nb - 1)) * K;  // pad: repeat
@@ -288,13 +293,23 @@ void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& 
   // float32 weights always take the FMA path: a bf16 dot product would round them.
   const bool use_bf16_dot = MINIVLLM_HAVE_AVX512BF16 && !portable && !w_f32;
 
+  // What every chunk reads, held by value: the caller may take a late helper's chunk
+  // over and return while that helper still reads (parallel_for_revocable).
+  struct Job {
+    at::Tensor weight, out;
+    std::optional<at::Tensor> bias;
+    int64_t M, K, N;
+    bool is_f32, w_f32, use_bf16_dot;
+    int parts = 1;
+    std::vector<float> xf;     // portable: float32 rows
+    std::vector<uint16_t> xb;  // BF16 dot products: bf16 rows (hi, then lo for float32 input)
+  };
+  auto job = std::make_shared<Job>(Job{weight, out, bias, M, K, N, is_f32, w_f32, use_bf16_dot});
   // The activations, once, in the layout the chosen path reads (contiguous rows).
-  std::vector<float> xf;     // portable: float32 rows
-  std::vector<uint16_t> xb;  // BF16 dot products: bf16 rows (hi, then lo for float32 input)
-  int parts = 1;
   if (use_bf16_dot) {
-    parts = is_f32 ? 2 : 1;
-    xb.resize(parts * M * K);
+    job->parts = is_f32 ? 2 : 1;
+    std::vector<uint16_t>& xb = job->xb;
+    xb.resize(job->parts * M * K);
     for (int64_t m = 0; m < M; ++m) {
       uint16_t* hi = xb.data() + m * K;
       if (is_f32) {
@@ -310,6 +325,7 @@ void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& 
       }
     }
   } else {
+    std::vector<float>& xf = job->xf;
     xf.resize(M * K);
     for (int64_t m = 0; m < M; ++m) {
       float* dst = xf.data() + m * K;
@@ -327,47 +343,49 @@ void linear_small_m(at::Tensor& out, const at::Tensor& input, const at::Tensor& 
   // layer stays on one thread.
   static_assert(NB1 % NB == 0, "a thread's share must hold whole blocks of both sizes");
   const int64_t blocks = (N + NB1 - 1) / NB1;
-  const int64_t grain = grain_for(NB1 * K);
-  parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  parallel_for_revocable(0, blocks, grain_for(NB1 * K), [job](int64_t b0, int64_t b1) {
+    const Job& j = *job;
+    const int64_t M = j.M, K = j.K, N = j.N;
     const int64_t n0 = b0 * NB1, n1 = std::min(N, b1 * NB1);
     std::vector<float> y(M * (n1 - n0));  // this thread's columns, M x (n1 - n0)
-    if (w_f32) {
-      gemv_portable(xf.data(), M, K, weight.data_ptr<float>(), y.data(), n0, n1);
+    if (j.w_f32) {
+      gemv_portable(j.xf.data(), M, K, j.weight.data_ptr<float>(), y.data(), n0, n1);
     } else {
-      const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+      const uint16_t* w = reinterpret_cast<const uint16_t*>(j.weight.data_ptr<at::BFloat16>());
 #if MINIVLLM_HAVE_AVX512BF16
-      if (use_bf16_dot) {
-        gemv_avx512bf16(xb.data(), parts, M, K, w, y.data(), n0, n1);
+      if (j.use_bf16_dot) {
+        gemv_avx512bf16(j.xb.data(), j.parts, M, K, w, y.data(), n0, n1);
       } else {
-        gemv_portable(xf.data(), M, K, w, y.data(), n0, n1);
+        gemv_portable(j.xf.data(), M, K, w, y.data(), n0, n1);
       }
 #else
-      gemv_portable(xf.data(), M, K, w, y.data(), n0, n1);
+      gemv_portable(j.xf.data(), M, K, w, y.data(), n0, n1);
 #endif
     }
+    if (!chunk_commit_begin()) return;  // the caller ran this chunk itself
     const int64_t width = n1 - n0;
     for (int64_t m = 0; m < M; ++m) {
       const float* src = y.data() + m * width;
-      if (is_f32) {
-        float* o = out.data_ptr<float>() + m * N + n0;
-        if (bias.has_value()) {
-          MINIVLLM_DISPATCH(bias->scalar_type(), "linear_small_m_bias", [&] {
-            const scalar_t* b = bias->data_ptr<scalar_t>() + n0;
-            for (int64_t j = 0; j < width; ++j) o[j] = src[j] + static_cast<float>(b[j]);
+      if (j.is_f32) {
+        float* o = j.out.data_ptr<float>() + m * N + n0;
+        if (j.bias.has_value()) {
+          MINIVLLM_DISPATCH(j.bias->scalar_type(), "linear_small_m_bias", [&] {
+            const scalar_t* b = j.bias->data_ptr<scalar_t>() + n0;
+            for (int64_t i = 0; i < width; ++i) o[i] = src[i] + static_cast<float>(b[i]);
           });
         } else {
           std::copy(src, src + width, o);
         }
       } else {
-        at::BFloat16* o = out.data_ptr<at::BFloat16>() + m * N + n0;
-        if (bias.has_value()) {
-          MINIVLLM_DISPATCH(bias->scalar_type(), "linear_small_m_bias", [&] {
-            const scalar_t* b = bias->data_ptr<scalar_t>() + n0;
-            for (int64_t j = 0; j < width; ++j)
-              o[j] = static_cast<at::BFloat16>(src[j] + static_cast<float>(b[j]));
+        at::BFloat16* o = j.out.data_ptr<at::BFloat16>() + m * N + n0;
+        if (j.bias.has_value()) {
+          MINIVLLM_DISPATCH(j.bias->scalar_type(), "linear_small_m_bias", [&] {
+            const scalar_t* b = j.bias->data_ptr<scalar_t>() + n0;
+            for (int64_t i = 0; i < width; ++i)
+              o[i] = static_cast<at::BFloat16>(src[i] + static_cast<float>(b[i]));
           });
         } else {
-          for (int64_t j = 0; j < width; ++j) o[j] = static_cast<at::BFloat16>(src[j]);
+          for (int64_t i = 0; i < width; ++i) o[i] = static_cast<at::BFloat16>(src[i]);
         }
       }
     }

@@ -187,7 +187,7 @@ int64_t float_gemv_max_rows();
 std::string cpu_parallel_mode(std::string_view name);
 std::vector<int64_t> cpu_team_stats();
 int64_t parallel_for_coverage(at::Tensor& counts, int64_t grain, int64_t throw_at,
-                              int64_t helper_delay_us, int64_t caller_delay_us);
+                              int64_t helper_delay_us, int64_t caller_delay_us, bool revocable);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 
 }  // namespace minivllm

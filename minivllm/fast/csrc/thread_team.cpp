@@ -35,6 +35,19 @@
 // them every few milliseconds) sends the jobs of the next SOLO_FOR to the caller
 // alone (the helpers sleep); then the team tries again. On a quiet machine every
 // job uses the whole team.
+//
+// A revocable job (parallel_for_revocable) needs no waiting at all. Its chunks each
+// have a state word, (job << 2) | CLAIMED / COMMITTING / STOLEN / DONE. The caller,
+// out of chunks to claim, waits about two of its own chunks, then takes every chunk
+// still CLAIMED (a compare-and-swap to STOLEN) and runs it itself. The owner, when it
+// wakes, sees STOLEN and writes nothing (chunk_commit_begin: CLAIMED -> COMMITTING is
+// the right to write; the caller never takes a COMMITTING chunk, it waits for it).
+// So that a late owner never runs a chunk of a later job, the claim word also holds
+// the job's number, and a claim counts only while `job_seq_` still publishes that
+// job (2 J while job J runs, 2 J + 1 once it is over). A late owner may still be
+// reading its chunk's inputs: the job's context (copied to the heap, holding its
+// tensors) is freed only once no helper is inside a chunk (`active_`), checked at
+// the next job, never waited for.
 #include "thread_team.h"
 
 #include <ATen/core/Tensor.h>
@@ -44,6 +57,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string_view>
 #include <thread>
@@ -66,14 +80,31 @@ constexpr auto LATE_MIN = std::chrono::microseconds(200);
 constexpr int64_t LATE_FACTOR = 4;
 constexpr auto LATE_WINDOW = std::chrono::milliseconds(100);
 constexpr auto SOLO_FOR = std::chrono::milliseconds(200);
+// How long the caller of a revocable job waits for a helper's chunk before it takes
+// the chunk over: STEAL_CHUNKS of its own chunks, at least STEAL_MIN (STEAL_BLIND if
+// it ran none itself).
+constexpr int64_t STEAL_CHUNKS = 2;
+constexpr auto STEAL_MIN = std::chrono::microseconds(30);
+constexpr auto STEAL_BLIND = std::chrono::microseconds(200);
+
+// The claim word: (job << 42) | (chunks << 21) | next. next never passes chunks + the
+// thread count, so chunks stay below 2^20.
+constexpr int NEXT_BITS = 21, CHUNK_BITS = 21;
+constexpr uint64_t FIELD_MASK = (uint64_t{1} << 21) - 1, JOB_MASK = (uint64_t{1} << 22) - 1;
+constexpr int64_t MAX_CHUNKS = int64_t{1} << 20;
+// A revocable chunk's state, in the low 2 bits of (job << 2) | state.
+constexpr uint64_t CLAIMED = 0, COMMITTING = 1, STOLEN = 2, DONE = 3;
+constexpr int64_t MAX_REVOCABLE = 256;  // chunks of a revocable job (more: not revocable)
 
 // "adaptive" (the default): the team, and the caller alone for a while after a late
 // job; "team": the team always; "openmp": at::parallel_for.
-enum class Mode { ADAPTIVE, TEAM, OPENMP };
+// "steal" (for the tests): the team always, and the caller of a revocable job takes
+// over every chunk still running as soon as it has no chunk to claim.
+enum class Mode { ADAPTIVE, TEAM, OPENMP, STEAL };
 std::atomic<Mode> mode{Mode::ADAPTIVE};
 
 // Jobs run by the team, jobs run by the caller alone, late jobs (cpu_team_stats).
-std::atomic<int64_t> team_jobs{0}, solo_jobs{0}, late_jobs{0};
+std::atomic<int64_t> team_jobs{0}, solo_jobs{0}, late_jobs{0}, stolen_chunks{0};
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -97,10 +128,15 @@ bool spin_until(Pred pred, Clock::duration budget) {
 // Inside a chunk (or on a helper thread): a nested parallel_for runs inline.
 thread_local bool in_team = false;
 
+// The revocable chunk this thread runs as its owner: its state word and the value
+// that means "still mine" ((job << 2) | CLAIMED); nullptr otherwise (the writes are ours).
+thread_local std::atomic<uint64_t>* chunk_state = nullptr;
+thread_local uint64_t chunk_claimed = 0;
+
 class Team {
  public:
-  explicit Team(int64_t threads) : threads_(threads) {
-    for (int64_t t = 1; t < threads; ++t) helpers_.emplace_back([this] { helper_main(); });
+  explicit Team(int64_t threads) : threads_(threads), active_(new Flag[threads]) {
+    for (int64_t t = 1; t < threads; ++t) helpers_.emplace_back([this, t] { helper_main(t); });
   }
 
   ~Team() {  // only when the thread count changes: stop and join the helpers
@@ -112,29 +148,49 @@ class Team {
 
   int64_t threads() const { return threads_; }
 
-  void run(int64_t chunks, ChunkFn fn, const void* ctx, bool adaptive) {
+  void run(int64_t chunks, ChunkFn fn, const void* ctx, Mode mode,
+           std::shared_ptr<const void> keep) {
     const auto start = Clock::now();
-    if (adaptive && start < solo_until_) {  // a job was late a moment ago: run alone
+    if (!retired_.empty() && no_helper_active()) retired_.clear();  // no late owner left
+    if (mode == Mode::ADAPTIVE && start < solo_until_) {  // a job was late a moment ago
       solo_jobs.fetch_add(1, std::memory_order_relaxed);
       for (int64_t c = 0; c < chunks; ++c) fn(ctx, c);
       return;
     }
+    const bool revocable = keep != nullptr && chunks <= MAX_REVOCABLE;
     team_jobs.fetch_add(1, std::memory_order_relaxed);
+    ++job_;
     done_.store(0, std::memory_order_relaxed);
     fn_.store(fn, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
+    revocable_.store(revocable, std::memory_order_relaxed);
+    for (int64_t c = 0; revocable && c < chunks; ++c) states_[c].store((job_ << 2) | CLAIMED);
     error_ = nullptr;
+    job_seq_.store(2 * job_);
     // Publish: the release store orders the fields above before any claim of this job.
-    claim_.store(static_cast<uint64_t>(chunks) << 32, std::memory_order_release);
+    claim_.store(((job_ & JOB_MASK) << (NEXT_BITS + CHUNK_BITS)) |
+                     (static_cast<uint64_t>(chunks) << NEXT_BITS),
+                 std::memory_order_release);
     epoch_.fetch_add(1);  // sequentially consistent: see wake()
     wake();
 
-    const int64_t mine = work();
+    const int64_t mine = work(nullptr);
     const auto claimed = Clock::now();  // no chunk left to claim: wait for the others'
     const auto all_done = [&] { return done_.load() == chunks; };
+    bool stole = false;
+    if (revocable) {
+      const auto patience = mode == Mode::STEAL ? Clock::duration::zero()
+                            : mine == 0        ? Clock::duration(STEAL_BLIND)
+                                               : std::max<Clock::duration>(
+                                              STEAL_MIN, STEAL_CHUNKS * (claimed - start) / mine);
+      if (!spin_until(all_done, patience)) stole = steal(chunks, fn, ctx);
+    }
     if (!spin_until(all_done, CALLER_SPIN)) sleep_until(all_done);
+    job_seq_.store(2 * job_ + 1);  // over: a late claim on it runs nothing
+    if (stole) retired_.push_back(std::move(keep));  // its late owner may still read it
     const auto waited = Clock::now() - claimed;
-    if (mine > 0 && waited > LATE_MIN && waited > LATE_FACTOR * (claimed - start) / mine) {
+    if (!revocable && mine > 0 && waited > LATE_MIN &&
+        waited > LATE_FACTOR * (claimed - start) / mine) {
       late_jobs.fetch_add(1, std::memory_order_relaxed);
       const auto now = Clock::now();
       if (now - last_late_ < LATE_WINDOW) solo_until_ = now + SOLO_FOR;
@@ -144,21 +200,88 @@ class Team {
   }
 
  private:
-  // Claim and run chunks of whatever job is published, until none is left; how many.
-  int64_t work() {
-    for (int64_t ran = 0;; ++ran) {
+  struct alignas(64) Flag {
+    std::atomic<bool> on{false};
+  };
+
+  // Claim and run chunks of whatever job is published, until none is left; how many
+  // ran. `active`: this helper's flag (nullptr for the caller, whose job is current).
+  int64_t work(std::atomic<bool>* active) {
+    int64_t ran = 0;
+    for (;;) {
       const uint64_t v = claim_.fetch_add(1, std::memory_order_acq_rel);
-      const int64_t chunk = static_cast<int64_t>(v & 0xffffffffu);
-      const int64_t chunks = static_cast<int64_t>(v >> 32);
+      const int64_t chunk = static_cast<int64_t>(v & FIELD_MASK);
+      const int64_t chunks = static_cast<int64_t>((v >> NEXT_BITS) & FIELD_MASK);
       if (chunk >= chunks) return ran;
+      if (active != nullptr) active->store(true);  // before looking at job_seq_: see run()
+      const uint64_t seq = job_seq_.load();
+      const bool current = (seq & 1) == 0 && ((seq >> 1) & JOB_MASK) == v >> (NEXT_BITS + CHUNK_BITS);
+      const ChunkFn fn = fn_.load(std::memory_order_relaxed);
+      const void* ctx = ctx_.load(std::memory_order_relaxed);
+      const bool revocable = revocable_.load(std::memory_order_relaxed);
+      // A claim on a job that is over (its chunks were taken over while this thread
+      // was stopped), or a snapshot torn by the next job's publication: run nothing.
+      if (current && job_seq_.load() == seq) {
+        ran += run_chunk(chunk, chunks, fn, ctx, revocable ? &states_[chunk] : nullptr,
+                         (seq >> 1) << 2);
+      }
+      if (active != nullptr) active->store(false);
+    }
+  }
+
+  // Runs one claimed chunk as its owner; 1 if it counted it done, 0 if it was taken over.
+  int64_t run_chunk(int64_t chunk, int64_t chunks, ChunkFn fn, const void* ctx,
+                    std::atomic<uint64_t>* state, uint64_t mine) {
+    if (state != nullptr && state->load() != (mine | CLAIMED)) return 0;  // taken already
+    chunk_state = state;
+    chunk_claimed = mine | CLAIMED;
+    std::exception_ptr error;
+    try {
+      fn(ctx, chunk);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    chunk_state = nullptr;
+    if (state != nullptr) {  // done: from COMMITTING (it wrote) or CLAIMED (it had nothing to)
+      uint64_t s = mine | COMMITTING;
+      if (!state->compare_exchange_strong(s, mine | DONE)) {
+        s = mine | CLAIMED;
+        if (!state->compare_exchange_strong(s, mine | DONE)) return 0;  // the caller's now
+      }
+    }
+    if (error) {
+      std::lock_guard<std::mutex> lock(error_mutex_);
+      if (!error_) error_ = error;
+    }
+    if (done_.fetch_add(1) + 1 == chunks) wake();
+    return 1;
+  }
+
+  // The caller of a revocable job, out of chunks to claim: runs every chunk still
+  // CLAIMED by a helper itself. True if it took any.
+  bool steal(int64_t chunks, ChunkFn fn, const void* ctx) {
+    bool stole = false;
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint64_t s = (job_ << 2) | CLAIMED;
+      if (!states_[c].compare_exchange_strong(s, (job_ << 2) | STOLEN)) continue;
+      stole = true;
+      stolen_chunks.fetch_add(1, std::memory_order_relaxed);
       try {
-        fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), chunk);
+        fn(ctx, c);  // chunk_state is nullptr here: the writes are the caller's
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mutex_);
         if (!error_) error_ = std::current_exception();
       }
-      if (done_.fetch_add(1) + 1 == chunks) wake();
+      states_[c].store((job_ << 2) | DONE);
+      done_.fetch_add(1);
     }
+    return stole;
+  }
+
+  bool no_helper_active() const {
+    for (int64_t t = 1; t < threads_; ++t)
+      if (active_[t].on.load()) return false;
+    return true;
   }
 
   // Sleep until pred() (a look at the atomics that wake() is called after changing).
@@ -179,7 +302,7 @@ class Team {
     wake_.notify_all();
   }
 
-  void helper_main() {
+  void helper_main(int64_t t) {
     in_team = true;
     // Not epoch_'s value now: a helper that starts late (after jobs, or after ~Team
     // has asked it to stop) must see that the epoch moved, not sleep through it.
@@ -189,7 +312,7 @@ class Team {
       if (!spin_until(new_job, HELPER_SPIN)) sleep_until(new_job);
       seen = epoch_.load();
       if (stop_.load()) return;
-      work();
+      work(&active_[t].on);
     }
   }
 
@@ -197,6 +320,12 @@ class Team {
   // Read and written by the caller only (one at a time: see `busy`).
   Clock::time_point solo_until_{};  // jobs before this run on the caller alone
   Clock::time_point last_late_{};   // the last late job's end
+  uint64_t job_ = 0;                // the number of the last job published
+  std::vector<std::shared_ptr<const void>> retired_;  // contexts a late owner may read
+  std::unique_ptr<Flag[]> active_;  // per helper: inside a chunk (index 0 unused)
+  std::unique_ptr<std::atomic<uint64_t>[]> states_{new std::atomic<uint64_t>[MAX_REVOCABLE]};
+  alignas(64) std::atomic<uint64_t> job_seq_{1};  // 2 J while job J runs, 2 J + 1 after
+  std::atomic<bool> revocable_{false};
   std::vector<std::thread> helpers_;
   std::atomic<bool> stop_{false};
   alignas(64) std::atomic<uint32_t> epoch_{0};  // bumped once a job: wakes the helpers
@@ -226,8 +355,18 @@ int64_t team_threads() { return in_team ? 1 : at::get_num_threads(); }
 
 bool team_enabled() { return mode.load(std::memory_order_relaxed) != Mode::OPENMP; }
 
-void team_run(int64_t chunks, ChunkFn fn, const void* ctx) {
-  TORCH_CHECK(chunks >= 0 && chunks < (int64_t{1} << 30), "team_run: ", chunks, " chunks");
+bool chunk_cancelled() {
+  return chunk_state != nullptr && chunk_state->load(std::memory_order_relaxed) != chunk_claimed;
+}
+
+bool chunk_commit_begin() {
+  if (chunk_state == nullptr) return true;
+  uint64_t s = chunk_claimed;
+  return chunk_state->compare_exchange_strong(s, (chunk_claimed & ~uint64_t{3}) | COMMITTING);
+}
+
+void team_run(int64_t chunks, ChunkFn fn, const void* ctx, std::shared_ptr<const void> keep) {
+  TORCH_CHECK(chunks >= 0 && chunks < MAX_CHUNKS, "team_run: ", chunks, " chunks");
   // Another thread holds the team (two Python threads calling ops): run here, in order.
   if (in_team || busy.test_and_set(std::memory_order_acquire)) {
     for (int64_t c = 0; c < chunks; ++c) fn(ctx, c);
@@ -247,54 +386,62 @@ void team_run(int64_t chunks, ChunkFn fn, const void* ctx) {
     team = new Team(threads);
   }
   in_team = true;
-  team->run(chunks, fn, ctx, mode.load(std::memory_order_relaxed) == Mode::ADAPTIVE);
+  team->run(chunks, fn, ctx, mode.load(std::memory_order_relaxed), std::move(keep));
 }
 
 // "adaptive", "team" or "openmp": where parallel_for sends its loops; "" leaves it.
 // Returns the mode before the call.
 std::string cpu_parallel_mode(std::string_view name) {
-  static constexpr std::string_view NAMES[] = {"adaptive", "team", "openmp"};
+  static constexpr std::string_view NAMES[] = {"adaptive", "team", "openmp", "steal"};
   const std::string old(NAMES[static_cast<int>(mode.load())]);
   if (name.empty()) return old;
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < 4; ++m) {
     if (name == NAMES[m]) {
       mode.store(static_cast<Mode>(m));
       return old;
     }
   }
-  TORCH_CHECK(false, "cpu_parallel_mode: mode must be 'adaptive', 'team' or 'openmp', got '",
+  TORCH_CHECK(false, "cpu_parallel_mode: mode must be 'adaptive', 'team', 'openmp' or 'steal', got '",
               std::string(name), "'");
 }
 
-// [jobs the team ran, jobs the caller ran alone, late jobs] since the process started.
+// [jobs the team ran, jobs the caller ran alone, late jobs, chunks the caller took
+// over] since the process started.
 std::vector<int64_t> cpu_team_stats() {
-  return {team_jobs.load(), solo_jobs.load(), late_jobs.load()};
+  return {team_jobs.load(), solo_jobs.load(), late_jobs.load(), stolen_chunks.load()};
 }
 
 // For the tests: counts[i] += 1 for every i, through parallel_for in pieces of `grain`
 // (a chunk run twice, or skipped, shows as a count other than 1); index `throw_at`
 // raises inside its chunk, whichever thread runs it; a chunk run by any thread but
 // the caller first sleeps `helper_delay_us` (a helper whose core another process
-// holds), one run by the caller `caller_delay_us`. Returns how many indices the
-// calling thread ran itself.
+// holds), one run by the caller `caller_delay_us`. With `revocable`, through
+// parallel_for_revocable: a chunk sleeps before it commits its writes, so the caller
+// takes a sleeping helper's chunk over, and the helper, waking after the call has
+// returned, must write nothing. Returns how many indices the calling thread wrote.
 int64_t parallel_for_coverage(at::Tensor& counts, int64_t grain, int64_t throw_at,
-                              int64_t helper_delay_us, int64_t caller_delay_us) {
+                              int64_t helper_delay_us, int64_t caller_delay_us, bool revocable) {
   TORCH_CHECK(counts.dim() == 1 && counts.is_contiguous() && counts.scalar_type() == at::kInt,
               "counts: 1-D int32, contiguous");
-  int32_t* c = counts.data_ptr<int32_t>();
-  const std::thread::id caller = std::this_thread::get_id();
-  std::atomic<int64_t> by_caller{0};
-  parallel_for(0, counts.numel(), grain, [&](int64_t b, int64_t e) {
+  auto by_caller = std::make_shared<std::atomic<int64_t>>(0);
+  const auto chunk = [counts, throw_at, helper_delay_us, caller_delay_us, by_caller,
+                      caller = std::this_thread::get_id()](int64_t b, int64_t e) {
     const bool mine = std::this_thread::get_id() == caller;
-    if (mine) by_caller.fetch_add(e - b);
     const int64_t delay_us = mine ? caller_delay_us : helper_delay_us;
     if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-    for (int64_t i = b; i < e; ++i) {
+    for (int64_t i = b; i < e; ++i)
       TORCH_CHECK(i != throw_at, "parallel_for_coverage: index ", i, " raises, as asked");
-      c[i] += 1;
-    }
-  });
-  return by_caller.load();
+    if (!chunk_commit_begin()) return;
+    int32_t* c = counts.data_ptr<int32_t>();
+    for (int64_t i = b; i < e; ++i) c[i] += 1;
+    if (mine) by_caller->fetch_add(e - b);
+  };
+  if (revocable) {
+    parallel_for_revocable(0, counts.numel(), grain, chunk);
+  } else {
+    parallel_for(0, counts.numel(), grain, chunk);
+  }
+  return by_caller->load();
 }
 
 }  // namespace minivllm

@@ -32,6 +32,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <utility>
 
 namespace minivllm {
 
@@ -41,8 +43,18 @@ constexpr int64_t CHUNKS_PER_THREAD = 4;
 
 // Runs fn(ctx, c) for every chunk c in [0, chunks), on the team, and returns when
 // every chunk is done. The first exception a chunk throws is rethrown here.
+// `keep`: see parallel_for_revocable (nullptr: the job is not revocable).
 using ChunkFn = void (*)(const void* ctx, int64_t chunk);
-void team_run(int64_t chunks, ChunkFn fn, const void* ctx);
+void team_run(int64_t chunks, ChunkFn fn, const void* ctx,
+              std::shared_ptr<const void> keep = nullptr);
+
+// Inside a chunk of a revocable loop: true once the caller has taken the chunk over
+// (stop early: the result will be thrown away).
+bool chunk_cancelled();
+// Inside a chunk of a revocable loop, after computing and before the first write:
+// false if the caller took the chunk over (write nothing), true if the writes are
+// this thread's to make. Outside a revocable loop: always true.
+bool chunk_commit_begin();
 
 // Threads that run a loop: the team's (the caller included), or 1 inside a chunk.
 int64_t team_threads();
@@ -79,6 +91,46 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
         (*l.f)(b, std::min(l.end, b + l.size));
       },
       &loop);
+}
+
+// parallel_for whose chunks the caller may take over from a helper that is late.
+//
+// A helper whose core another process holds can be stopped in the middle of a
+// chunk for milliseconds; parallel_for's caller then waits for it. Here the caller,
+// once no chunk is left to claim, waits only a little (about two of its own chunks),
+// then runs the late helper's chunk itself. The helper may wake up later and finish
+// its copy: so f must compute first and write only after chunk_commit_begin() says
+// the writes are its own (one of the two copies wins, the other writes nothing), and
+// may look at chunk_cancelled() to stop early. A late helper can also still *read*
+// after the call has returned: so f is copied to the heap, must hold everything it
+// reads by value (tensors, shared buffers; no reference to the caller's frame), and
+// the team keeps the copy until no helper can be inside it. Nothing waits for the
+// late helper: the call returns as soon as every chunk is done by someone.
+template <typename F>
+void parallel_for_revocable(int64_t begin, int64_t end, int64_t grain, F f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  const int64_t chunks = std::min((n + grain - 1) / grain, team_threads() * CHUNKS_PER_THREAD);
+  if (!team_enabled() || chunks <= 1) {
+    parallel_for(begin, end, grain, f);
+    return;
+  }
+  struct Loop {
+    F f;
+    int64_t begin, end, size;
+  };
+  const int64_t size = (n + chunks - 1) / chunks;
+  auto loop = std::make_shared<const Loop>(Loop{std::move(f), begin, end, size});
+  const Loop* ctx = loop.get();
+  team_run(
+      (n + size - 1) / size,
+      [](const void* ctx, int64_t c) {
+        const Loop& l = *static_cast<const Loop*>(ctx);
+        const int64_t b = l.begin + c * l.size;
+        l.f(b, std::min(l.end, b + l.size));
+      },
+      ctx, std::move(loop));
 }
 
 }  // namespace minivllm

@@ -78,7 +78,7 @@ TORCH_LIBRARY(minivllm, m) {
       "add_lora(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor[] scalings, "
       "Tensor sorted_tokens, Tensor seg_starts, Tensor seg_slots, int[] output_slices) -> ()");
   // Where the kernels' loops run (thread_team.h): "adaptive" (the default), "team" or
-  // "openmp" (at::parallel_for); "" only reads it. Returns the mode before the call.
+  // "openmp" (at::parallel_for), "steal" (tests: revocable chunks taken over at once); "" only reads it. Returns the mode before the call.
   m.def("cpu_parallel_mode(str mode='') -> str", &minivllm::cpu_parallel_mode);
   // [jobs the team ran, jobs the caller ran alone, late jobs] since the process started.
   m.def("cpu_team_stats() -> int[]", &minivllm::cpu_team_stats);
@@ -87,7 +87,7 @@ TORCH_LIBRARY(minivllm, m) {
   // indices the caller ran.
   m.def(
       "parallel_for_coverage(Tensor(a!) counts, int grain, int throw_at=-1, "
-      "int helper_delay_us=0, int caller_delay_us=0) -> int");
+      "int helper_delay_us=0, int caller_delay_us=0, bool revocable=False) -> int");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
