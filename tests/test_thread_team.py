@@ -210,7 +210,8 @@ def test_the_team_and_openmp_give_the_same_bits_with_a_core_busy(quantization):
     """A projection of awkward size, 2 and 3 rows, while another process holds a core:
     the team's result is at::parallel_for's, bit for bit (no output is split between
     chunks), and both are within float32 rounding of the textbook result (float64 for
-    a float weight, the ref twin for a quantized one)."""
+    a float weight, the ref twin for a quantized one). "steal" (the caller reruns every
+    revocable chunk a helper has not finished: the GEMV's and the W8A8 tiles') too."""
     from dataclasses import replace
 
     from minivllm.fast import quantization as fast_quant
@@ -224,7 +225,7 @@ def test_the_team_and_openmp_give_the_same_bits_with_a_core_busy(quantization):
         for m in (1, 2, 3):
             x = torch.randn(m, k, generator=g)
             outs = {}
-            for mode in ("team", "openmp"):
+            for mode in ("team", "openmp", "steal"):
                 with num_threads(2), parallel_mode(mode):
                     if quantization is None:
                         y = torch.empty(m, n)
@@ -239,6 +240,7 @@ def test_the_team_and_openmp_give_the_same_bits_with_a_core_busy(quantization):
                         oracle = ref_quant.quantized_linear(x, layer)  # the textbook twin
                     outs[mode] = y
             assert torch.equal(outs["team"], outs["openmp"])
+            assert torch.equal(outs["steal"], outs["openmp"])
             torch.testing.assert_close(outs["team"].double(), oracle.double(), rtol=1e-4, atol=1e-4)
     finally:
         busy.kill()

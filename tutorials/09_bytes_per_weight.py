@@ -362,11 +362,16 @@ print("this CPU's kernel flags:", " ".join(cpu_flags()) or "none of them")
 # The roofline assumes the whole memory bandwidth is yours. When another program
 # holds one of the two cores, our second thread runs only in slices, and a loop
 # split in fixed halves (OpenMP's ``at::parallel_for``) waits for it every time:
-# batch-1 decode kept about a third of its quiet speed. Since one thread alone
-# streams the weights nearly as fast as two, the C++ kernels run on a thread team
-# (``minivllm/fast/csrc/thread_team.h``) that lets the running thread take a late
-# helper's chunks, and runs alone for a moment after helpers keep being late. To
-# see it on this machine (a minute or two)::
+# batch-1 decode kept about a third of its quiet speed. The C++ kernels run on a
+# thread team instead (``minivllm/fast/csrc/thread_team.h``) that lets the running
+# thread take a late helper's chunks. In the GEMV (the float32 and bf16 projections)
+# and the W8A8 / W4A8 tiles (int8, gguf) the caller even reruns the chunk a stopped
+# helper still holds, and the helper's copy
+# is dropped when it wakes: nothing waits for a helper. Other loops run alone for a
+# moment after helpers keep being late. On a CPU where one thread streams only half
+# of what two do (the Xeon of docs/kernels.md), that keeps bf16 decode at about 70%
+# of its quiet speed with a core busy, not the 55% of one thread. To see it on this
+# machine (a minute or two)::
 #
 #     minivllm bench latency --dtype float32 --quantization int8 --no-profile \
 #         --busy-core --cpu-parallel adaptive openmp

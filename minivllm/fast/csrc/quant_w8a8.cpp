@@ -40,7 +40,8 @@
 // - Scales and minimums stored in float16 (a GGUF's blocks hold them so) are widened to
 //   float32 as a tile transposes them (F16C's vcvtph2ps): exact, so the bits are those of
 //   the same scales in float32, and a batch-1 step reads 2 bytes a group less per row.
-// - Threads take whole tiles (parallel_for), so each weight byte is read once.
+// - Threads take whole tiles (parallel_for_revocable, thread_team.h: the caller may rerun
+//   a late helper's chunk), so each weight byte is read once (twice for a chunk rerun).
 // - From GEMM_MIN_ROWS rows of x (a batched decode step, a prefill) a GEMM replaces the
 //   tiles: weights repacked per call to VNNI's layout, no horizontal adds
 //   (quant_w8a8_gemm.h for AVX512-VNNI, quant_w8a8_gemm256.h for AVX-VNNI and AVX2; on a
@@ -48,6 +49,7 @@
 #include "ops.h"
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -275,15 +277,40 @@ const IsaEntry& find_isa(std::string_view name) {
               std::string(name), "'");
 }
 
-void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm) {
+// y = the problem's product: the GEMM for many rows of x, else tiles of TILE weight rows.
+// The tiles run revocably (thread_team.h: the caller may rerun a late helper's chunk):
+// a chunk multiplies its weight rows as a problem of its own (w, scales and minimums
+// from its first row on) into its own buffer, and copies that into y only if the chunk
+// is still its. `keep`: the tensors behind p's pointers, which a late helper may still
+// read after this call has returned.
+void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm, std::vector<at::Tensor> keep) {
   if (p.m == 0 || p.n == 0) return;
   if (gemm != nullptr && p.m >= GEMM_MIN_ROWS) {
     gemm(p);
     return;
   }
+  struct Job {
+    W8A8Problem p;
+    TilesFn tiles;
+    std::vector<at::Tensor> keep;
+  };
+  auto job = std::make_shared<const Job>(Job{p, tiles, std::move(keep)});
   const int64_t count = (p.n + TILE - 1) / TILE;
-  parallel_for(0, count, grain_for(TILE * p.k * p.m),
-                   [&](int64_t t0, int64_t t1) { tiles(p, t0, t1); });
+  parallel_for_revocable(0, count, grain_for(TILE * p.k * p.m), [job](int64_t t0, int64_t t1) {
+    const W8A8Problem& p = job->p;
+    const int64_t n0 = t0 * TILE, width = std::min(p.n, t1 * TILE) - n0;
+    W8A8Problem rows = p;  // weight rows n0 .. n0 + width - 1, as rows 0 .. width - 1
+    rows.w = p.w + n0 * p.row_bytes;
+    rows.s = scale_address(p, p.s, n0 * p.s_groups);
+    if (p.mn != nullptr) rows.mn = scale_address(p, p.mn, n0 * p.groups);
+    rows.n = width;
+    std::vector<float> y(p.m * width);
+    rows.y = y.data();
+    job->tiles(rows, 0, t1 - t0);
+    if (!chunk_commit_begin()) return;  // the caller ran this chunk itself
+    for (int64_t m = 0; m < p.m; ++m)
+      std::memcpy(p.y + m * p.n + n0, y.data() + m * width, sizeof(float) * width);
+  });
 }
 
 void check_activations(const at::Tensor& qx, const at::Tensor& xs, const at::Tensor* xsum) {
@@ -360,7 +387,7 @@ void w8a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
                       scales.data_ptr(), nullptr, scales.size(1), n,
                       out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
   const IsaEntry& e = find_isa(isa);
-  run(p, e.int8_tiles, e.int8_gemm);
+  run(p, e.int8_tiles, e.int8_gemm, {qx, x_scales, qweight, scales, out});
 }
 
 void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
@@ -384,7 +411,7 @@ void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
                       scales.data_ptr(), mins.data_ptr(), groups, n,
                       out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
   const IsaEntry& e = find_isa(isa);
-  run(p, e.int4_tiles, e.int4_gemm);
+  run(p, e.int4_tiles, e.int4_gemm, {qx, x_scales, x_sums, qweight, scales, mins, out});
 }
 
 }  // namespace minivllm

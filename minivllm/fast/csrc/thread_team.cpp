@@ -1,8 +1,8 @@
 // The persistent thread team behind minivllm::parallel_for (thread_team.h).
 //
 // One loop at a time is a *job*: a function, a context and a number of chunks.
-// The caller publishes it in one 64-bit word, `claim_` = (chunks << 32) | next,
-// wakes the helpers, and claims chunks like any helper: every thread runs
+// The caller publishes it in one 64-bit word, `claim_` = (job << 42) | (chunks << 21)
+// | next, wakes the helpers, and claims chunks like any helper: every thread runs
 //
 //     v = claim_.fetch_add(1); if (v's next < v's chunks) run chunk `next`, count it done
 //
@@ -10,13 +10,13 @@
 // counter means a helper that wakes late (after the job it was woken for has
 // ended) can never run a chunk of the wrong job: its fetch_add either lands in an
 // exhausted job and claims nothing, or in the next job, whose chunk it then runs
-// as well as anyone. So no thread ever waits for a particular other thread.
+// as well as anyone. So no thread ever waits for a particular other thread. (The
+// job's number is there for revocable jobs, below.)
 //
 // The caller returns when the count of finished chunks reaches the job's chunks.
-// It spins for CALLER_SPIN first (a running helper finishes a chunk in
-// microseconds), then sleeps (a condition variable): a helper preempted mid-chunk
-// by another process is then moved by the scheduler onto the core the caller
-// freed, instead of waiting for its own core. Idle helpers spin for HELPER_SPIN
+// It spins for CALLER_SPIN first (past LATE_MIN: a sleeping caller takes long to
+// wake), then sleeps (a condition variable), which frees its core for a helper
+// preempted mid-chunk by another process. Idle helpers spin for HELPER_SPIN
 // (the gaps between the ops of a decode step are microseconds), then sleep until
 // the next job. A sleeper counts itself in `sleepers_` before it looks a last
 // time; a waker changes the state, then looks at the count, and only then takes
@@ -73,8 +73,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 // How long an idle helper looks for the next job before it sleeps.
 constexpr auto HELPER_SPIN = std::chrono::microseconds(100);
-// How long the caller waits for the last chunks awake before it sleeps.
-constexpr auto CALLER_SPIN = std::chrono::microseconds(30);
+// How long the caller waits for the last chunks awake before it sleeps: past LATE_MIN,
+// because waking a sleeper costs about 200 us in a VM (measured on the 2-core Xeon of
+// docs/kernels.md; with 30 us here, quiet int8 decode paid it in many jobs, and those
+// counted as late).
+constexpr auto CALLER_SPIN = std::chrono::microseconds(300);
 // A late job (see above) and how long the jobs after it run on the caller alone.
 constexpr auto LATE_MIN = std::chrono::microseconds(200);
 constexpr int64_t LATE_FACTOR = 4;
