@@ -36,18 +36,15 @@
 // alone (the helpers sleep); then the team tries again. On a quiet machine every
 // job uses the whole team.
 //
-// A revocable job (parallel_for_revocable) needs no waiting at all. Its chunks each
-// have a state word, (job << 2) | CLAIMED / COMMITTING / STOLEN / DONE. The caller,
-// out of chunks to claim, waits about two of its own chunks, then takes every chunk
-// still CLAIMED (a compare-and-swap to STOLEN) and runs it itself. The owner, when it
-// wakes, sees STOLEN and writes nothing (chunk_commit_begin: CLAIMED -> COMMITTING is
-// the right to write; the caller never takes a COMMITTING chunk, it waits for it).
-// So that a late owner never runs a chunk of a later job, the claim word also holds
-// the job's number, and a claim counts only while `job_seq_` still publishes that
-// job (2 J while job J runs, 2 J + 1 once it is over). A late owner may still be
-// reading its chunk's inputs: the job's context (copied to the heap, holding its
-// tensors) is freed only once no helper is inside a chunk (`active_`), checked at
-// the next job, never waited for.
+// A revocable job (parallel_for_revocable) waits for no one. Each chunk has a state,
+// (job << 2) | CLAIMED / COMMITTING / STOLEN / DONE. The caller, out of chunks to
+// claim, waits about two of its own chunks, then swaps every chunk still CLAIMED to
+// STOLEN and runs it itself; the owner, waking, writes nothing (CLAIMED -> COMMITTING,
+// chunk_commit_begin, is the right to write; a COMMITTING chunk is waited for). A
+// claim counts only while `job_seq_` still publishes its job (2 J while job J runs,
+// 2 J + 1 after), so a late owner never runs a later job's chunk; and the job's heap
+// context, which it may still read, is freed only once no helper is inside a chunk
+// (`active_`), as checked at a later job: never waited for.
 #include "thread_team.h"
 
 #include <ATen/core/Tensor.h>
@@ -74,9 +71,8 @@ using Clock = std::chrono::steady_clock;
 // How long an idle helper looks for the next job before it sleeps.
 constexpr auto HELPER_SPIN = std::chrono::microseconds(100);
 // How long the caller waits for the last chunks awake before it sleeps: past LATE_MIN,
-// because waking a sleeper costs about 200 us in a VM (measured on the 2-core Xeon of
-// docs/kernels.md; with 30 us here, quiet int8 decode paid it in many jobs, and those
-// counted as late).
+// as waking it took ~200 us in a VM (the Xeon of docs/kernels.md; with 30 us here,
+// quiet int8 decode paid that in many jobs, which then counted as late).
 constexpr auto CALLER_SPIN = std::chrono::microseconds(300);
 // A late job (see above) and how long the jobs after it run on the caller alone.
 constexpr auto LATE_MIN = std::chrono::microseconds(200);
@@ -162,6 +158,9 @@ class Team {
     }
     const bool revocable = keep != nullptr && chunks <= MAX_REVOCABLE;
     team_jobs.fetch_add(1, std::memory_order_relaxed);
+    // The last job's end (job_seq_ odd) is seen before any field of this one: a late
+    // reader of the fields below then finds job_seq_ changed (a seqlock's writer).
+    std::atomic_thread_fence(std::memory_order_release);
     ++job_;
     done_.store(0, std::memory_order_relaxed);
     fn_.store(fn, std::memory_order_relaxed);
@@ -222,6 +221,7 @@ class Team {
       const ChunkFn fn = fn_.load(std::memory_order_relaxed);
       const void* ctx = ctx_.load(std::memory_order_relaxed);
       const bool revocable = revocable_.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);  // the loads above, then the check
       // A claim on a job that is over (its chunks were taken over while this thread
       // was stopped), or a snapshot torn by the next job's publication: run nothing.
       if (current && job_seq_.load() == seq) {
