@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 
@@ -62,6 +63,34 @@ int64_t team_threads();
 // True if parallel_for goes to the team; false if to at::parallel_for (OpenMP).
 bool team_enabled();
 
+namespace detail {
+// How many chunks a loop of n items is cut into: pieces of at least `grain` items, at
+// most CHUNKS_PER_THREAD a thread.
+inline int64_t chunks_for(int64_t n, int64_t grain) {
+  grain = std::max<int64_t>(1, grain);
+  return std::min((n + grain - 1) / grain, team_threads() * CHUNKS_PER_THREAD);
+}
+
+// [begin, end) in chunks of `size` items, and the function team_run calls for chunk c.
+// Fn is how the loop holds f: a reference (parallel_for) or a copy (the revocable one).
+template <typename Fn>
+struct Loop {
+  Fn f;
+  int64_t begin, end, size;
+  int64_t chunks() const { return (end - begin + size - 1) / size; }
+  static void run_chunk(const void* ctx, int64_t c) {
+    const Loop& l = *static_cast<const Loop*>(ctx);
+    const int64_t b = l.begin + c * l.size;
+    l.f(b, std::min(l.end, b + l.size));
+  }
+};
+
+template <typename Fn>
+Loop<Fn> cut(Fn f, int64_t begin, int64_t end, int64_t chunks) {
+  return Loop<Fn>{std::move(f), begin, end, (end - begin + chunks - 1) / chunks};
+}
+}  // namespace detail
+
 // f(b, e) over [begin, end) in pieces of at least `grain` items, as at::parallel_for.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
@@ -71,26 +100,13 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     at::parallel_for(begin, end, grain, f);
     return;
   }
-  grain = std::max<int64_t>(1, grain);
-  const int64_t chunks = std::min((n + grain - 1) / grain, team_threads() * CHUNKS_PER_THREAD);
+  const int64_t chunks = detail::chunks_for(n, grain);
   if (chunks <= 1) {  // one piece (or already inside a chunk): this thread runs it
     f(begin, end);
     return;
   }
-  struct Loop {
-    const F* f;
-    int64_t begin, end, size;
-  };
-  const int64_t size = (n + chunks - 1) / chunks;
-  const Loop loop{&f, begin, end, size};
-  team_run(
-      (n + size - 1) / size,
-      [](const void* ctx, int64_t c) {
-        const Loop& l = *static_cast<const Loop*>(ctx);
-        const int64_t b = l.begin + c * l.size;
-        (*l.f)(b, std::min(l.end, b + l.size));
-      },
-      &loop);
+  const auto loop = detail::cut(std::cref(f), begin, end, chunks);
+  team_run(loop.chunks(), decltype(loop)::run_chunk, &loop);
 }
 
 // parallel_for whose chunks the caller may take over from a helper that is late.
@@ -110,27 +126,15 @@ template <typename F>
 void parallel_for_revocable(int64_t begin, int64_t end, int64_t grain, F f) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  grain = std::max<int64_t>(1, grain);
-  const int64_t chunks = std::min((n + grain - 1) / grain, team_threads() * CHUNKS_PER_THREAD);
+  const int64_t chunks = detail::chunks_for(n, grain);
   if (!team_enabled() || chunks <= 1) {
     parallel_for(begin, end, grain, f);
     return;
   }
-  struct Loop {
-    F f;
-    int64_t begin, end, size;
-  };
-  const int64_t size = (n + chunks - 1) / chunks;
-  auto loop = std::make_shared<const Loop>(Loop{std::move(f), begin, end, size});
+  using Loop = detail::Loop<F>;
+  auto loop = std::make_shared<const Loop>(detail::cut(std::move(f), begin, end, chunks));
   const Loop* ctx = loop.get();
-  team_run(
-      (n + size - 1) / size,
-      [](const void* ctx, int64_t c) {
-        const Loop& l = *static_cast<const Loop*>(ctx);
-        const int64_t b = l.begin + c * l.size;
-        l.f(b, std::min(l.end, b + l.size));
-      },
-      ctx, std::move(loop));
+  team_run(ctx->chunks(), Loop::run_chunk, ctx, std::move(loop));
 }
 
 }  // namespace minivllm
