@@ -186,7 +186,7 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
                   paths={})
     fast = worker.build_model_runner(enforce_eager=False)
     paths = ["fast", "plain"] if fast.fast_paths else ["plain"]
-    # The C++ kernels' thread modes (docs/threads.md): the first is "fast", the rest
+    # The C++ kernels' thread modes (docs/kernels.md, "Threads"): the first is "fast", the rest
     # "fast/<mode>", measured one after the other in this run.
     modes = args.cpu_parallel if uses_cpu_ops(engine) else [None]
     runs_of = [(p, m) for p in paths for m in (modes if p == "fast" else [None])]
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stopped here): a laptop is never idle")
     p.add_argument("--cpu-parallel", nargs="+", default=["adaptive"],
                    choices=["adaptive", "team", "openmp"],
-                   help="where the C++ kernels' loops run (docs/threads.md): the thread "
+                   help="where the C++ kernels' loops run (docs/kernels.md, Threads): the thread "
                         "team, leaving a late helper's work to the caller alone "
                         "('adaptive', the default), the team always ('team'), or OpenMP's "
                         "at::parallel_for ('openmp'); several are measured in turn, in "

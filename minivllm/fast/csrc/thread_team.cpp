@@ -24,8 +24,8 @@
 // other): no wake-up is lost, and none is paid for while everyone is awake.
 //
 // When is a second thread worth it? At batch 1 a decode step streams weights from
-// memory, and one thread alone gets most of the bandwidth two would (about 85% on
-// the 2-core machine of docs/threads.md). With another process on the second
+// memory, and one thread alone gets much of the bandwidth two would (85% on the
+// EPYC of docs/kernels.md, half on its Xeon). With another process on the second
 // core, the helper runs in slices between that process's, and every time it is
 // preempted holding a chunk the caller waits for it (milliseconds), which costs
 // more than the helper ever gives. So the team watches for that: a job whose

@@ -77,10 +77,12 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "add_lora(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor[] scalings, "
       "Tensor sorted_tokens, Tensor seg_starts, Tensor seg_slots, int[] output_slices) -> ()");
-  // Where the kernels' loops run (thread_team.h): "adaptive" (the default), "team" or
-  // "openmp" (at::parallel_for), "steal" (tests: revocable chunks taken over at once); "" only reads it. Returns the mode before the call.
+  // Where the kernels' loops run (thread_team.h): "adaptive" (the default), "team",
+  // "openmp" (at::parallel_for) or "steal" (for the tests: revocable chunks taken over
+  // at once); "" only reads it. Returns the mode before the call.
   m.def("cpu_parallel_mode(str mode='') -> str", &minivllm::cpu_parallel_mode);
-  // [jobs the team ran, jobs the caller ran alone, late jobs] since the process started.
+  // [jobs the team ran, jobs the caller ran alone, late jobs, chunks the caller took
+  // over] since the process started.
   m.def("cpu_team_stats() -> int[]", &minivllm::cpu_team_stats);
   // For the tests: counts[i] += 1 for each i through parallel_for; index throw_at raises;
   // helpers sleep helper_delay_us a chunk, the caller caller_delay_us. Returns the
