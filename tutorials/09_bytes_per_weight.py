@@ -369,9 +369,10 @@ print("this CPU's kernel flags:", " ".join(cpu_flags()) or "none of them")
 # helper still holds, and the helper's copy
 # is dropped when it wakes: nothing waits for a helper. Other loops run alone for a
 # moment after helpers keep being late. On a CPU where one thread streams only half
-# of what two do (the Xeon of docs/kernels.md), that keeps bf16 decode at about 70%
-# of its quiet speed with a core busy, not the 55% of one thread. To see it on this
-# machine (a minute or two)::
+# of what two do (the Xeon of docs/kernels.md), bf16 decode then kept 57-60% of its
+# quiet speed with a core busy in ``minivllm bench throughput --busy-core`` (128-token
+# prompts), 65-75% with short prompts, where one thread alone kept 55-58%. To see it
+# on this machine (a minute or two)::
 #
 #     minivllm bench latency --dtype float32 --quantization int8 --no-profile \
 #         --busy-core --cpu-parallel adaptive openmp
