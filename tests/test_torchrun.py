@@ -157,6 +157,13 @@ def _kill_tagged(tag: str) -> None:
             pass
 
 
+@pytest.fixture(autouse=True)
+def _scratch_in_tmp_path(tmp_path, monkeypatch) -> None:
+    # torchrun makes a torchelastic_* folder under $TMPDIR per run and leaves it there:
+    # make it one pytest removes.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 def _env(tag: str, **extra: str) -> dict[str, str]:
     # The worktree's minivllm, unbuffered output, no GPU (these ranks are CPU ranks),
     # and a tag that finds every descendant.

@@ -57,7 +57,8 @@ with torch.no_grad():
         else:
             p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1] if "embed" not in name else 1))
 hf.eval()
-model_dir = tempfile.mkdtemp(prefix="tiny_llama_")
+scratch = tempfile.TemporaryDirectory(prefix="tiny_llama_")  # deleted when the script ends
+model_dir = scratch.name
 hf.save_pretrained(model_dir)
 
 # Our loader reads the safetensors lazily and fuses q/k/v and gate/up as it goes

@@ -212,7 +212,8 @@ from minivllm.engine.config import WorkerConfig  # noqa: E402
 from minivllm.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
 from minivllm.executor.uniproc_executor import UniProcExecutor  # noqa: E402
 
-model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=128, heads=8, kv_heads=4,
+scratch = tempfile.TemporaryDirectory(prefix="tiny_llama_")  # deleted when the script ends
+model_dir = save_random_llama(Path(scratch.name), hidden=128, heads=8, kv_heads=4,
                               intermediate=256, layers=2, vocab=500)
 batch = synthetic_input(num_seqs=3, query_len=7, context_len=0, vocab=500)
 real_layers = {"linear": "fast"}  # real one-process-per-rank layers; the kernels stay ref

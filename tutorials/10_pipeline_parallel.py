@@ -78,7 +78,8 @@ for L, P in [(30, 2), (30, 4), (5, 3), (12, 5)]:
 from minivllm.engine.config import WorkerConfig  # noqa: E402
 from minivllm.executor.uniproc_executor import UniProcExecutor  # noqa: E402
 
-model_dir = save_random_llama(Path(tempfile.mkdtemp()), hidden=256, heads=8, kv_heads=4,
+scratch = tempfile.TemporaryDirectory(prefix="tiny_llama_")  # deleted when the script ends
+model_dir = save_random_llama(Path(scratch.name), hidden=256, heads=8, kv_heads=4,
                               intermediate=512, layers=8, vocab=500)
 prefill = synthetic_input(num_seqs=3, query_len=7, context_len=0, vocab=500)
 ref = {name: "ref" for name in backend.COMPONENTS}

@@ -67,7 +67,8 @@ print("threads:", torch.get_num_threads())
 
 # %%
 shapes = module_shapes(config)  # module -> (in, out), e.g. q_proj: (576, 576), k_proj: (576, 192)
-root = Path(tempfile.mkdtemp())
+scratch = tempfile.TemporaryDirectory(prefix="adapters_")  # deleted when the script ends
+root = Path(scratch.name)
 
 
 def write_adapter(name, r, alpha, modules):
