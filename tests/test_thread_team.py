@@ -30,7 +30,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_attention import make_batch  # a random paged batch on a NaN-poisoned cache
 
+import minivllm.ref.attention as ref_attention
 from minivllm.fast import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(),
@@ -289,3 +291,33 @@ def test_the_gemv_is_right_when_the_caller_takes_every_late_chunk_over(m, n, k, 
     assert torch.equal(outs["steal"], outs["team"])
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(outs["steal"].double(), want, rtol=tol, atol=tol * (k ** 0.5))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(1, 10), st.integers(30, 260)).map(lambda t: (t[0], t[0] + t[1])),
+                     min_size=1, max_size=4),
+       heads=st.tuples(st.integers(1, 4), st.sampled_from([1, 3, 4])).map(lambda t: (t[0] * t[1], t[0])),
+       head_dim=st.sampled_from([24, 64, 80]), block_size=st.sampled_from([1, 16]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), gemm_prefill=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_attention_is_right_when_the_caller_takes_every_late_chunk_over(
+        seqs, heads, head_dim, block_size, dtype, gemm_prefill, seed):
+    """``paged_attention`` without GEMM-tiled items (decodes, and short prefills or
+    ``gemm_prefill=False``) is revocable: in mode "steal" the caller reruns every chunk
+    a helper has not finished, and the helpers' staged outputs are dropped. A batch with
+    tiled items is not, and must be right under "steal" too. Either way: the team's
+    bits, and within rounding of the ref twin (on a NaN-poisoned cache)."""
+    query, k_cache, v_cache, md, _ = make_batch(seqs, heads[0], heads[1], head_dim, block_size,
+                                                dtype, seed)
+    args = (k_cache, v_cache, md.block_tables.to(torch.int32), md.seq_lens.to(torch.int32),
+            md.query_start_loc.to(torch.int32), head_dim**-0.5, gemm_prefill, None, None)
+    outs = {}
+    with num_threads(3):
+        for mode in ("team", "steal"):
+            with parallel_mode(mode):
+                outs[mode] = torch.full_like(query, float("nan"))
+                cpu_ops.ops().paged_attention(outs[mode], query, *args)
+    assert torch.equal(outs["steal"], outs["team"])
+    want = ref_attention.paged_attention(query, k_cache, v_cache, md, head_dim**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs["steal"].float(), want.float(), rtol=tol, atol=tol)
