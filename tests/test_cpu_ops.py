@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import subprocess
 import sys
 
@@ -313,6 +314,24 @@ def test_fast_on_a_cpu_means_the_cpp_ops():
     assert backend.resolve("attention", "auto") == "fast"
     assert backend.get("attention", "minivllm.fast.cpu").paged_attention is \
         attention.paged_attention_cpu  # fmt: skip
+
+
+def test_a_build_for_another_cpu_has_its_flags_and_a_folder_of_its_own(monkeypatch):
+    """MINIVLLM_CPU_ARCH builds for another CPU (an AVX2 laptop's code paths on a newer
+    one): its -march, the macro that keeps the run-time ISA choices within it, and a cache
+    folder of its own (never a rebuild over the native library); not a name: refused."""
+    monkeypatch.delenv(cpu_ops.ARCH_ENV, raising=False)
+    native_flags, native_name = cpu_ops.compile_flags(), cpu_ops._extension_name()
+    assert cpu_ops.target_arch() == "native" and "-DMINIVLLM_FOREIGN_ARCH" not in native_flags
+    monkeypatch.setenv(cpu_ops.ARCH_ENV, "x86-64-v3")
+    flags = cpu_ops.compile_flags()
+    assert "-DMINIVLLM_FOREIGN_ARCH" in flags and cpu_ops._extension_name() != native_name
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+    for bad in ("x86-64-v3; rm -rf /", "-O0", "two words"):
+        monkeypatch.setenv(cpu_ops.ARCH_ENV, bad)
+        with pytest.raises(ValueError, match="MINIVLLM_CPU_ARCH must be a compiler"):
+            cpu_ops.compile_flags()
 
 
 def test_a_failed_build_falls_back_to_ref_with_one_warning():

@@ -31,7 +31,9 @@ The Python wrappers that allocate outputs and call these ops are in the fast
 component modules (``minivllm/fast/layernorm.py``: ``rms_norm_cpu`` ...), next
 to their Triton twins; ``minivllm.fast.cpu`` collects them as a backend.
 ``MINIVLLM_NO_CPP=1`` skips the build (as if it had failed), e.g. to measure
-the ref on a CPU.
+the ref on a CPU. ``MINIVLLM_CPU_ARCH=x86-64-v3`` builds for another CPU than this
+one (here: AVX2 and FMA, an AVX2 laptop), in a cache folder of its own, and the
+kernels then use no instruction set past it (:func:`compile_flags`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -59,15 +62,36 @@ HEADERS = ("ops.h", "thread_team.h", "attention_rows.h", "attention_tile.h", "qu
            "quant_w8a8_amx.h", "quant_w8a8_portable.h", "kv_cache.h")
 
 
+ARCH_ENV = "MINIVLLM_CPU_ARCH"
+
+
+def target_arch() -> str:
+    """The CPU the library is built for: ``$MINIVLLM_CPU_ARCH``, or ``"native"`` (this one).
+
+    Any ``-march`` (x86) / ``-mcpu`` (ARM) name of the compiler, e.g. ``x86-64-v3``
+    (AVX2, FMA, F16C: the AVX2 laptops) or ``haswell``, to run an older CPU's code paths
+    on a newer machine: the compiler then vectorises for that CPU only, and the W8A8
+    kernels, which choose their instruction set at run time, use none past it.
+    """
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", arch):
+        raise ValueError(f"{ARCH_ENV} must be a compiler -march / -mcpu name such as "
+                         f"'x86-64-v3' or 'native', got {arch!r}")
+    return arch
+
+
 def _extension_name() -> str:
     """The extension's name, and so its folder in torch's extension cache.
 
     Keyed by this environment (``sys.prefix``) and this source tree: two
     virtual environments, or two checkouts, on one machine each build once
     into a folder of their own, instead of rebuilding over each other's
-    library at every switch (a minute each time).
+    library at every switch (a minute each time); and so is a build for
+    another CPU (:func:`target_arch`).
     """
     key = f"{sys.prefix}\0{CSRC.resolve()}".encode()
+    if target_arch() != "native":  # another CPU's build: a folder of its own
+        key += f"\0{target_arch()}".encode()
     return f"minivllm_cpu_ops_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
@@ -82,7 +106,8 @@ def compile_flags() -> list[str]:
     The library is built on the machine that runs it, so ``-march=native`` is
     safe and lets the compiler vectorise the loops with AVX2/AVX-512 (x86) or
     NEON/SVE (ARM). macOS's clang has no OpenMP: ``at::parallel_for`` then runs
-    on one thread.
+    on one thread. :func:`target_arch` names another CPU instead (then
+    ``-DMINIVLLM_FOREIGN_ARCH`` tells the run-time choices to stay within it).
     """
     # -fno-trapping-math: the kernels never read floating-point exception flags, and
     # without it GCC will not if-convert a float comparison (fast_exp's clamps, a
@@ -90,11 +115,13 @@ def compile_flags() -> list[str]:
     flags = ["-O3", "-fno-trapping-math"]
     if sys.platform.startswith("linux"):
         flags.append("-fopenmp")
-    machine = platform.machine().lower()
+    machine, arch = platform.machine().lower(), target_arch()
     if machine in ("x86_64", "amd64"):
-        flags.append("-march=native")
+        flags.append(f"-march={arch}")
     elif machine in ("arm64", "aarch64"):
-        flags.append("-mcpu=native")
+        flags.append(f"-mcpu={arch}")
+    if arch != "native":
+        flags.append("-DMINIVLLM_FOREIGN_ARCH")
     return flags
 
 
