@@ -42,6 +42,19 @@ def test_busy_core_runs_a_process_and_stops_it():
         assert none is None
 
 
+def test_the_header_names_a_build_for_another_cpu(monkeypatch):
+    """A figure measured with the kernels built for another CPU (MINIVLLM_CPU_ARCH) says so."""
+    from minivllm.bench._harness import describe_machine, machine
+
+    monkeypatch.delenv("MINIVLLM_CPU_ARCH", raising=False)
+    assert "built for" not in describe_machine()
+    monkeypatch.setenv("MINIVLLM_CPU_ARCH", "x86-64-v3")
+    info = machine()
+    assert info["kernels_built_for"] == "x86-64-v3"
+    assert f"C++ kernels built for x86-64-v3, torch's for {info['torch_cpu_capability']}" \
+        in describe_machine(info)
+
+
 def test_kernel_time_is_at_most_the_profiled_step(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu")
     per = latency.kernel_seconds_per_decode_step(

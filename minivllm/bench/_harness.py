@@ -120,15 +120,25 @@ def machine() -> dict:
                 model = line.split(":", 1)[-1].strip()
                 break
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    from minivllm.fast import cpu_ops
+
+    # What the code may use, where it is held below the CPU's flags (an AVX2 laptop's paths
+    # measured on a newer CPU: MINIVLLM_CPU_ARCH, ATEN_CPU_CAPABILITY; docs/kernels.md).
     return dict(cpu=model, flags=cpu_flags(), cores=os.cpu_count(),
-                torch_threads=torch.get_num_threads(), load_average=[round(x, 2) for x in load])
+                torch_threads=torch.get_num_threads(), load_average=[round(x, 2) for x in load],
+                kernels_built_for=cpu_ops.target_arch(),
+                torch_cpu_capability=torch.backends.cpu.get_cpu_capability())
 
 
 def describe_machine(info: dict | None = None) -> str:
     """One line for a table's header, e.g. ``AMD EPYC (avx2 fma), 2 cores, load 1.02``."""
     info = machine() if info is None else info
+    held = ""
+    if info.get("kernels_built_for", "native") != "native":
+        held = (f"; C++ kernels built for {info['kernels_built_for']}, torch's for "
+                f"{info.get('torch_cpu_capability', '?')}")
     return (f"{info['cpu']} ({' '.join(info['flags']) or 'no SIMD flags'}), "
-            f"{info['cores']} cores, load average {info['load_average'][0]:.2f}")
+            f"{info['cores']} cores, load average {info['load_average'][0]:.2f}{held}")
 
 
 @contextlib.contextmanager
