@@ -34,8 +34,14 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
-    """The :data:`BF16_CPU_FLAGS` this CPU has (read from ``/proc/cpuinfo`` on Linux)."""
+    """The :data:`BF16_CPU_FLAGS` this CPU has (read from ``/proc/cpuinfo`` on Linux),
+    and, where the C++ kernels are built for another CPU (``MINIVLLM_CPU_ARCH``), that
+    CPU has too: an AVX2 laptop's build measured on a newer CPU chooses as that laptop."""
+    held = None
     if cpuinfo is None:
+        from minivllm.fast import cpu_ops
+
+        held = cpu_ops.target_cpu_flags()
         path = Path("/proc/cpuinfo")
         if platform.system() != "Linux" or not path.exists():
             return []
@@ -44,7 +50,7 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
-    return [f for f in BF16_CPU_FLAGS if f in flags]
+    return [f for f in BF16_CPU_FLAGS if f in flags and (held is None or f in held)]
 
 
 def auto_dtype(device: torch.device, bf16_flags: list[str] | None = None) -> tuple[torch.dtype, str]:

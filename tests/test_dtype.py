@@ -34,3 +34,19 @@ def test_auto_on_a_gpu_is_bf16_and_names_resolve() -> None:
     assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         resolve_dtype("int7", torch.device("cpu"))
+
+
+def test_a_build_for_another_cpu_chooses_as_that_cpu(monkeypatch):
+    """Kernels built for an AVX2 laptop (MINIVLLM_CPU_ARCH=x86-64-v3) on a bf16 CPU: "auto"
+    is float32, as on that laptop; a target with bf16 keeps this CPU's own choice."""
+    from minivllm.fast import cpu_ops
+
+    monkeypatch.delenv("MINIVLLM_CPU_ARCH", raising=False)
+    native = cpu_bf16_flags()
+    monkeypatch.setenv("MINIVLLM_CPU_ARCH", "x86-64-v3")
+    if cpu_ops.target_cpu_flags() is None:
+        pytest.skip("not x86, or no compiler to say what x86-64-v3 has")
+    assert cpu_bf16_flags() == []
+    assert auto_dtype(torch.device("cpu"))[0] == torch.float32
+    monkeypatch.setenv("MINIVLLM_CPU_ARCH", "sapphirerapids")  # avx512_bf16 and amx_bf16
+    assert cpu_bf16_flags() == native

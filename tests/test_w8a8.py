@@ -204,15 +204,9 @@ def test_the_instruction_set_is_chosen_from_the_cpus_flags():
         pytest.skip("no /proc/cpuinfo to compare with")
     flags = _cpu_flags()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    if cpu_ops.target_arch() != "native" and x86:  # MINIVLLM_CPU_ARCH: what that CPU has too
-        macros = subprocess.run(["c++", f"-march={cpu_ops.target_arch()}", "-dM", "-E", "-"],
-                                input="", capture_output=True, text=True, check=True).stdout
-        has = {flag for flag, macro in [("avx2", "__AVX2__"), ("avx_vnni", "__AVXVNNI__"),
-                                        ("avx512_vnni", "__AVX512VNNI__"),
-                                        ("avx512vl", "__AVX512VL__"), ("amx_int8", "__AMX_INT8__")]
-               if f"#define {macro} " in macros}
-        flags = {f for f in flags if f not in {"avx2", "avx_vnni", "avx512_vnni", "avx512vl",
-                                               "amx_int8"} or f in has}
+    target = cpu_ops.target_cpu_flags()  # MINIVLLM_CPU_ARCH: what that CPU has too
+    if target is not None:
+        flags = {f for f in flags if f in target or f not in dict(cpu_ops.TARGET_MACROS)}
     want = ["portable"]
     if x86 and "avx2" in flags:
         want.append("avx2")

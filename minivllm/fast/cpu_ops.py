@@ -80,6 +80,36 @@ def target_arch() -> str:
     return arch
 
 
+#: A CPU flag (as ``/proc/cpuinfo`` names it) and the compiler macro of a target that has it.
+TARGET_MACROS = (("avx2", "__AVX2__"), ("fma", "__FMA__"), ("f16c", "__F16C__"),
+                 ("avx512f", "__AVX512F__"), ("avx512vl", "__AVX512VL__"),
+                 ("avx512_vnni", "__AVX512VNNI__"), ("avx_vnni", "__AVXVNNI__"),
+                 ("avx512_bf16", "__AVX512BF16__"), ("amx_tile", "__AMX_TILE__"),
+                 ("amx_int8", "__AMX_INT8__"), ("amx_bf16", "__AMX_BF16__"))
+
+
+def target_cpu_flags() -> frozenset[str] | None:
+    """The CPU flags of :data:`TARGET_MACROS` that the build target has, as the compiler
+    says (``c++ -march=... -dM -E``); None for a native build (this CPU's own flags
+    hold) or where the compiler cannot say."""
+    arch = target_arch()
+    if arch == "native" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return _flags_of(arch)
+
+
+@functools.cache
+def _flags_of(arch: str) -> frozenset[str] | None:
+    import subprocess
+
+    try:
+        macros = subprocess.run(["c++", f"-march={arch}", "-dM", "-E", "-"], input="",
+                                capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return frozenset(flag for flag, macro in TARGET_MACROS if f"#define {macro} " in macros)
+
+
 def _extension_name() -> str:
     """The extension's name, and so its folder in torch's extension cache.
 
