@@ -424,3 +424,18 @@ def test_smollm2_int8_activations_cost_under_one_percent(smollm2_dir):
     for a16, a8 in (("w8a16", "w8a8"), ("w4a16", "w4a8"), ("gguf-a16", "gguf-a8")):
         assert rows[a8]["perplexity"] <= rows[a16]["perplexity"] * 1.015, (a8, rows[a8], rows[a16])
         assert rows[a8]["mean_kl"] <= 0.012 and rows[a8]["greedy_agreement"] >= 0.85
+
+
+@needs_cpp
+def test_the_w8a8_bench_puts_each_batch_shape_against_torchs_gemm():
+    """``bench_w8a8`` (``bench kernels``): W8A8 / W4A8 beside W8A16 on the same weights,
+    agreeing with it, and at M > 1 the fraction of the GEMM floor (torch's float32 GEMM at
+    that shape), the limit issue 37 sets for an AVX2 CPU without VNNI."""
+    from minivllm.bench.quant_kernels import bench_w8a8
+
+    rows = bench_w8a8(shapes=((40, 64),), ms=(1, 16), cold_bytes=1 << 16)
+    assert [r["kernel"] for r in rows] == ["W8A8 M1 40x64", "W8A8 M16 40x64",
+                                           "W4A8 M1 40x64", "W4A8 M16 40x64"]
+    for r in rows:
+        assert r["fast_ms"] > 0 and r["ref_ms"] > 0 and r["max_abs_err"] < 0.05, r
+        assert ("of the floor, torch's float32 GEMM" in r["note"]) == ("M16" in r["kernel"])

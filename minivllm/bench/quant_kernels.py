@@ -107,7 +107,8 @@ def bench_w8a8(shapes=SHAPES, methods=("int8", "int4"), ms=(1, 64),
     rows = []
     for method in methods:
         for n, k in shapes:
-            qw = ref.quantize(torch.randn(n, k) * 0.02, method)
+            w_float = torch.randn(n, k) * 0.02
+            qw = ref.quantize(w_float, method)
             copies = max(1, math.ceil(cold_bytes / qw.nbytes))
             weights = [[t.clone() for t in (qw.qweight, qw.scales, qw.mins) if t is not None]
                        for _ in range(copies)]  # fmt: skip
@@ -134,18 +135,23 @@ def bench_w8a8(shapes=SHAPES, methods=("int8", "int4"), ms=(1, 64),
                     return out
 
                 err = max_abs_err(w8a16(weights[0]).clone(), w8a8(weights[0]))
-                t16, t8, tq = (t / copies for t in _fastest_in_turns([
+                fns = [
                     lambda f=w8a16, ws=weights: [f(w) for w in ws],
                     lambda f=w8a8, ws=weights: [f(w) for w in ws],
                     lambda x=x, q=q, xs=xs, xsum=xsum, ws=weights: [
                         ops.quantize_activations_int8(q, xs, xsum, x, isa) for _ in ws],
-                ]))  # fmt: skip
+                ]  # fmt: skip
+                if m > 1:  # the GEMM floor: torch's float32 GEMM at this shape (warm weight)
+                    fns.append(lambda x=x, w=w_float, ws=weights: [torch.mm(x, w.T) for _ in ws])
+                t16, t8, tq, *tf = (t / copies for t in _fastest_in_turns(fns))
                 scheme = "W8A8" if method == "int8" else "W4A8"
                 macs = m * n * k
                 note = (f"ref column: W{scheme[1]}A16; {scheme} "
                         f"{2 * macs / (t8 * 1e-3) / 1e9:.1f} GFLOP/s, W{scheme[1]}A16 "
                         f"{2 * macs / (t16 * 1e-3) / 1e9:.1f}; quantizing x {tq * 1e3:.0f} us; "
-                        f"{copies} cold copies")  # fmt: skip
+                        + (f"{tf[0] / t8:.0%} of the floor, torch's float32 GEMM "
+                           f"({2 * macs / (tf[0] * 1e-3) / 1e9:.1f} GFLOP/s); " if tf else "")
+                        + f"{copies} cold copies")  # fmt: skip
                 rows.append(speedup_row(f"{scheme} M{m} {n}x{k}", t16, t8, err, None,
                                         dict(shape=f"M{m} K{k} N{n} {method}", note=note)))
             del weights
