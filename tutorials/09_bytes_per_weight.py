@@ -365,10 +365,12 @@ print("this CPU's kernel flags:", " ".join(cpu_flags()) or "none of them")
 # batch-1 decode kept about a third of its quiet speed. The C++ kernels run on a
 # thread team instead (``minivllm/fast/csrc/thread_team.h``) that lets the running
 # thread take a late helper's chunks. In the GEMV (the float32 and bf16 projections)
-# and the W8A8 / W4A8 tiles (int8, gguf) the caller even reruns the chunk a stopped
-# helper still holds, and the helper's copy
-# is dropped when it wakes: nothing waits for a helper. Other loops run alone for a
-# moment after helpers keep being late. On a CPU where one thread streams only half
+# the W8A8 / W4A8 tiles (int8, gguf) and decode attention the caller even reruns the
+# chunk a stopped helper still holds, and the helper's copy is dropped when it wakes:
+# no loop of a decode step waits for a helper. Other loops (prefill) run alone for a
+# moment after helpers keep being late. With three threads wanting two cores, the
+# scheduler gives ours about 4/3 of a core's time between them, so about two thirds
+# of the quiet speed is the ceiling. On a CPU where one thread streams only half
 # of what two do (the Xeon of docs/kernels.md), bf16 decode then kept 57-60% of its
 # quiet speed with a core busy in ``minivllm bench throughput --busy-core`` (128-token
 # prompts), 65-75% with short prompts, where one thread alone kept 55-58%. To see it
