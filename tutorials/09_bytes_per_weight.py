@@ -331,6 +331,10 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # because every group has its own activation scale): the rescale of each group's sums in
 # AVX-512 is then most of the work, and on that Xeon the batch-64 matmuls ran 1.1-1.3x
 # faster than with AVX512-VNNI. At batch 1 none of them matters: the bytes do.
+# To see an AVX2 laptop's paths on a newer CPU, build the kernels for it:
+# ``MINIVLLM_CPU_ARCH=x86-64-v3`` (then ``w8a8_isas()`` stops at ``avx2``). Measured
+# that way on the Xeon, the plain-AVX2 GEMM at batch 64 ran 103-117% of torch's
+# float32 GEMM at the same shapes (``docs/benchmarks.md``).
 #
 # Float32 at batch 64 sits between the two regimes: its 540 MB of weights still take
 # about 20 ms a step to read, and its GEMM is bound by arithmetic once they are in
