@@ -21,6 +21,8 @@ from types import MappingProxyType
 
 import torch
 
+from minivllm.cpu_target import target_cpu_flags
+
 logger = logging.getLogger("minivllm")
 
 DTYPES = MappingProxyType({
@@ -39,9 +41,7 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
     CPU has too: an AVX2 laptop's build measured on a newer CPU chooses as that laptop."""
     held = None
     if cpuinfo is None:
-        from minivllm.fast import cpu_ops
-
-        held = cpu_ops.target_cpu_flags()
+        held = target_cpu_flags()
         path = Path("/proc/cpuinfo")
         if platform.system() != "Linux" or not path.exists():
             return []

@@ -31,7 +31,7 @@ import minivllm.ref.activation as ref_activation
 import minivllm.ref.attention as ref_attention
 import minivllm.ref.layernorm as ref_layernorm
 import minivllm.ref.rotary as ref_rotary
-from minivllm import backend
+from minivllm import backend, cpu_target
 from minivllm.fast import activation, attention, cache_write, cpu_ops, layernorm, rotary
 from minivllm.metadata import AttentionMetadata
 
@@ -320,16 +320,16 @@ def test_a_build_for_another_cpu_has_its_flags_and_a_folder_of_its_own(monkeypat
     """MINIVLLM_CPU_ARCH builds for another CPU (an AVX2 laptop's code paths on a newer
     one): its -march, the macro that keeps the run-time ISA choices within it, and a cache
     folder of its own (never a rebuild over the native library); not a name: refused."""
-    monkeypatch.delenv(cpu_ops.ARCH_ENV, raising=False)
+    monkeypatch.delenv(cpu_target.ARCH_ENV, raising=False)
     native_flags, native_name = cpu_ops.compile_flags(), cpu_ops._extension_name()
-    assert cpu_ops.target_arch() == "native" and "-DMINIVLLM_FOREIGN_ARCH" not in native_flags
-    monkeypatch.setenv(cpu_ops.ARCH_ENV, "x86-64-v3")
+    assert cpu_target.target_arch() == "native" and "-DMINIVLLM_FOREIGN_ARCH" not in native_flags
+    monkeypatch.setenv(cpu_target.ARCH_ENV, "x86-64-v3")
     flags = cpu_ops.compile_flags()
     assert "-DMINIVLLM_FOREIGN_ARCH" in flags and cpu_ops._extension_name() != native_name
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert "-march=x86-64-v3" in flags and "-march=native" not in flags
     for bad in ("x86-64-v3; rm -rf /", "-O0", "two words"):
-        monkeypatch.setenv(cpu_ops.ARCH_ENV, bad)
+        monkeypatch.setenv(cpu_target.ARCH_ENV, bad)
         with pytest.raises(ValueError, match="MINIVLLM_CPU_ARCH must be a compiler"):
             cpu_ops.compile_flags()
 

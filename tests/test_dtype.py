@@ -39,12 +39,12 @@ def test_auto_on_a_gpu_is_bf16_and_names_resolve() -> None:
 def test_a_build_for_another_cpu_chooses_as_that_cpu(monkeypatch):
     """Kernels built for an AVX2 laptop (MINIVLLM_CPU_ARCH=x86-64-v3) on a bf16 CPU: "auto"
     is float32, as on that laptop; a target with bf16 keeps this CPU's own choice."""
-    from minivllm.fast import cpu_ops
+    from minivllm import cpu_target
 
     monkeypatch.delenv("MINIVLLM_CPU_ARCH", raising=False)
     native = cpu_bf16_flags()
     monkeypatch.setenv("MINIVLLM_CPU_ARCH", "x86-64-v3")
-    if cpu_ops.target_cpu_flags() is None:
+    if cpu_target.target_cpu_flags() is None:
         pytest.skip("not x86, or no compiler to say what x86-64-v3 has")
     assert cpu_bf16_flags() == []
     assert auto_dtype(torch.device("cpu"))[0] == torch.float32

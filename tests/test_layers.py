@@ -25,7 +25,7 @@ ROOT = Path(minivllm.__file__).parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("minivllm.config", "minivllm.metadata", "minivllm.request",
               "minivllm.sampling_params", "minivllm.sampling_metadata", "minivllm.prefix_hash",
-              "minivllm.dtype", "minivllm.profiler", "minivllm.outputs", "minivllm.distributed",
+              "minivllm.dtype", "minivllm.cpu_target", "minivllm.profiler", "minivllm.outputs", "minivllm.distributed",
               "minivllm.tp_shards", "minivllm.pp_stages", "minivllm.quantized_weight",
               "minivllm.hf_config", "minivllm.structured_outputs_params",
               "minivllm.kv_quant",

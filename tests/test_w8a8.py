@@ -28,7 +28,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kernel_utils import examples
 
-from minivllm import backend
+from minivllm import backend, cpu_target
 from minivllm.fast import cpu_ops
 from minivllm.ref import quantization as ref
 
@@ -204,9 +204,9 @@ def test_the_instruction_set_is_chosen_from_the_cpus_flags():
         pytest.skip("no /proc/cpuinfo to compare with")
     flags = _cpu_flags()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    target = cpu_ops.target_cpu_flags()  # MINIVLLM_CPU_ARCH: what that CPU has too
+    target = cpu_target.target_cpu_flags()  # MINIVLLM_CPU_ARCH: what that CPU has too
     if target is not None:
-        flags = {f for f in flags if f in target or f not in dict(cpu_ops.TARGET_MACROS)}
+        flags = {f for f in flags if f in target or f not in dict(cpu_target.TARGET_MACROS)}
     want = ["portable"]
     if x86 and "avx2" in flags:
         want.append("avx2")

@@ -120,13 +120,13 @@ def machine() -> dict:
                 model = line.split(":", 1)[-1].strip()
                 break
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    from minivllm.fast import cpu_ops
+    from minivllm.cpu_target import target_arch
 
     # What the code may use, where it is held below the CPU's flags (an AVX2 laptop's paths
     # measured on a newer CPU: MINIVLLM_CPU_ARCH, ATEN_CPU_CAPABILITY; docs/kernels.md).
     return dict(cpu=model, flags=cpu_flags(), cores=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), load_average=[round(x, 2) for x in load],
-                kernels_built_for=cpu_ops.target_arch(),
+                kernels_built_for=target_arch(),
                 torch_cpu_capability=torch.backends.cpu.get_cpu_capability())
 
 

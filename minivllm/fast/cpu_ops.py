@@ -42,13 +42,13 @@ import functools
 import hashlib
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from minivllm.cpu_target import target_arch
 from minivllm.fast import cpp_build
 
 CSRC = Path(__file__).with_name("csrc")
@@ -62,54 +62,6 @@ HEADERS = ("ops.h", "thread_team.h", "attention_rows.h", "attention_tile.h", "qu
            "quant_w8a8_amx.h", "quant_w8a8_portable.h", "kv_cache.h")
 
 
-ARCH_ENV = "MINIVLLM_CPU_ARCH"
-
-
-def target_arch() -> str:
-    """The CPU the library is built for: ``$MINIVLLM_CPU_ARCH``, or ``"native"`` (this one).
-
-    Any ``-march`` (x86) / ``-mcpu`` (ARM) name of the compiler, e.g. ``x86-64-v3``
-    (AVX2, FMA, F16C: the AVX2 laptops) or ``haswell``, to run an older CPU's code paths
-    on a newer machine: the compiler then vectorises for that CPU only, and the W8A8
-    kernels, which choose their instruction set at run time, use none past it.
-    """
-    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", arch):
-        raise ValueError(f"{ARCH_ENV} must be a compiler -march / -mcpu name such as "
-                         f"'x86-64-v3' or 'native', got {arch!r}")
-    return arch
-
-
-#: A CPU flag (as ``/proc/cpuinfo`` names it) and the compiler macro of a target that has it.
-TARGET_MACROS = (("avx2", "__AVX2__"), ("fma", "__FMA__"), ("f16c", "__F16C__"),
-                 ("avx512f", "__AVX512F__"), ("avx512vl", "__AVX512VL__"),
-                 ("avx512_vnni", "__AVX512VNNI__"), ("avx_vnni", "__AVXVNNI__"),
-                 ("avx512_bf16", "__AVX512BF16__"), ("amx_tile", "__AMX_TILE__"),
-                 ("amx_int8", "__AMX_INT8__"), ("amx_bf16", "__AMX_BF16__"))
-
-
-def target_cpu_flags() -> frozenset[str] | None:
-    """The CPU flags of :data:`TARGET_MACROS` that the build target has, as the compiler
-    says (``c++ -march=... -dM -E``); None for a native build (this CPU's own flags
-    hold) or where the compiler cannot say."""
-    arch = target_arch()
-    if arch == "native" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    return _flags_of(arch)
-
-
-@functools.cache
-def _flags_of(arch: str) -> frozenset[str] | None:
-    import subprocess
-
-    try:
-        macros = subprocess.run(["c++", f"-march={arch}", "-dM", "-E", "-"], input="",
-                                capture_output=True, text=True, check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return frozenset(flag for flag, macro in TARGET_MACROS if f"#define {macro} " in macros)
-
-
 def _extension_name() -> str:
     """The extension's name, and so its folder in torch's extension cache.
 
@@ -117,7 +69,7 @@ def _extension_name() -> str:
     virtual environments, or two checkouts, on one machine each build once
     into a folder of their own, instead of rebuilding over each other's
     library at every switch (a minute each time); and so is a build for
-    another CPU (:func:`target_arch`).
+    another CPU (:func:`minivllm.cpu_target.target_arch`).
     """
     key = f"{sys.prefix}\0{CSRC.resolve()}".encode()
     if target_arch() != "native":  # another CPU's build: a folder of its own
@@ -136,7 +88,7 @@ def compile_flags() -> list[str]:
     The library is built on the machine that runs it, so ``-march=native`` is
     safe and lets the compiler vectorise the loops with AVX2/AVX-512 (x86) or
     NEON/SVE (ARM). macOS's clang has no OpenMP: ``at::parallel_for`` then runs
-    on one thread. :func:`target_arch` names another CPU instead (then
+    on one thread. :func:`~minivllm.cpu_target.target_arch` names another CPU instead (then
     ``-DMINIVLLM_FOREIGN_ARCH`` tells the run-time choices to stay within it).
     """
     # -fno-trapping-math: the kernels never read floating-point exception flags, and
