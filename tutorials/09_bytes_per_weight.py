@@ -375,9 +375,10 @@ print("this CPU's kernel flags:", " ".join(cpu_flags()) or "none of them")
 # moment after helpers keep being late. With three threads wanting two cores, the
 # scheduler gives ours about 4/3 of a core's time between them, so about two thirds
 # of the quiet speed is the ceiling. On a CPU where one thread streams only half
-# of what two do (the Xeon of docs/kernels.md), bf16 decode then kept 57-60% of its
+# of what two do (the Xeon of docs/kernels.md), bf16 decode then kept 57-61% of its
 # quiet speed with a core busy in ``minivllm bench throughput --busy-core`` (128-token
-# prompts), 65-75% with short prompts, where one thread alone kept 55-58%. To see it
+# prompts; 61-64% in every format once attention was revocable too), 65-75% with
+# short prompts, where one thread alone kept 55-58%. To see it
 # on this machine (a minute or two)::
 #
 #     minivllm bench latency --dtype float32 --quantization int8 --no-profile \
