@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.cpu_target import target_arch
+
 #: CPU flags that change which kernels run (the C++ ops dispatch on them).
 KERNEL_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
                     "amx_int8", "avx_vnni")
@@ -120,8 +122,6 @@ def machine() -> dict:
                 model = line.split(":", 1)[-1].strip()
                 break
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    from minivllm.cpu_target import target_arch
-
     # What the code may use, where it is held below the CPU's flags (an AVX2 laptop's paths
     # measured on a newer CPU: MINIVLLM_CPU_ARCH, ATEN_CPU_CAPABILITY; docs/kernels.md).
     return dict(cpu=model, flags=cpu_flags(), cores=os.cpu_count(),

@@ -71,9 +71,9 @@ def _extension_name() -> str:
     library at every switch (a minute each time); and so is a build for
     another CPU (:func:`minivllm.cpu_target.target_arch`).
     """
-    key = f"{sys.prefix}\0{CSRC.resolve()}".encode()
-    if target_arch() != "native":  # another CPU's build: a folder of its own
-        key += f"\0{target_arch()}".encode()
+    key, arch = f"{sys.prefix}\0{CSRC.resolve()}".encode(), target_arch()
+    if arch != "native":  # another CPU's build: a folder of its own
+        key += f"\0{arch}".encode()
     return f"minivllm_cpu_ops_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
