@@ -278,7 +278,7 @@ def test_the_portable_loop_stays_scalar_when_built_for_a_vnni_cpu(tmp_path):
 @given(fmt=st.sampled_from([("int8", None), ("int8", 32), ("int8", 64), ("int4", 32)]),
        m=st.sampled_from([1, 3, 7, 8, 16, 40, 64, 65]),
        n=st.sampled_from([1, 5, 8, 13, 16, 32, 37, 70]),
-       groups=st.sampled_from([2, 3, 6, 18]), seed=st.integers(0, 99),
+       groups=st.sampled_from([2, 3, 6, 8, 18, 48]), seed=st.integers(0, 99),
        magnitude=st.sampled_from([1e-6, 1.0, 3e4]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        scale_dtype=st.sampled_from([torch.float32, torch.float16]))
@@ -290,7 +290,9 @@ def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, group
     the bits of the same scales in float32). From 8 rows of x (7 and 8 straddle the switch)
     every SIMD instruction set runs the GEMM over weights repacked to VNNI's layout: panels
     of 32 columns on AVX512-VNNI and AMX, 16 on AVX-VNNI and AVX2 (ragged at 5, 13, 37 and
-    70); an odd number of groups leaves a short last transpose. AMX takes over from 32 rows,
+    70); an odd number of groups leaves a short last transpose. One row of x reads each
+    weight row whole before the next and sums its groups 8 at a time (2..48 groups: a
+    short block, exactly one, a tail of 2, six). AMX takes over from 32 rows,
     16 rows of x at a time (40 and 65 leave a zero-padded last block)."""
     method, group_size = fmt
     k = 32 * groups

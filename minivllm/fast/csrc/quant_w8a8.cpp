@@ -202,6 +202,7 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (EVEX, 256-bit)
 }
 #include "quant_w8a8_tiles.h"
 #include "quant_w8a8_gemm.h"
+#include "quant_w8a8_row512.h"  // tiles512: one row of x in 512-bit registers
 #pragma GCC pop_options
 }  // namespace avx512vnni
 
@@ -270,12 +271,12 @@ std::vector<IsaEntry> available_isas() {
     }
     if (TARGET_AVX512VNNI && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("avx512vl")) {
-      out.push_back({"avx512vnni", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
+      out.push_back({"avx512vnni", avx512vnni::tiles512<false>, avx512vnni::tiles512<true>,
                      avx512vnni::quantize_group, avx512vnni::gemm<false>,
                      avx512vnni::gemm<true>});
 #if MINIVLLM_W8A8_AMX
       if (TARGET_AMX && amx_usable()) {  // the GEMM on AMX; one row of x as avx512vnni
-        out.push_back({"amx", avx512vnni::tiles<false>, avx512vnni::tiles<true>,
+        out.push_back({"amx", avx512vnni::tiles512<false>, avx512vnni::tiles512<true>,
                        avx512vnni::quantize_group, amx::gemm<false>, amx::gemm<true>});
       }
 #endif
