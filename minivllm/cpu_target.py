@@ -36,7 +36,8 @@ def target_arch() -> str:
 #: A CPU flag (as ``/proc/cpuinfo`` names it) and the compiler macro of a target that has it.
 TARGET_MACROS = (("avx2", "__AVX2__"), ("fma", "__FMA__"), ("f16c", "__F16C__"),
                  ("avx512f", "__AVX512F__"), ("avx512vl", "__AVX512VL__"),
-                 ("avx512_vnni", "__AVX512VNNI__"), ("avx_vnni", "__AVXVNNI__"),
+                 ("avx512bw", "__AVX512BW__"), ("avx512_vnni", "__AVX512VNNI__"),
+                 ("avx_vnni", "__AVXVNNI__"),
                  ("avx512_bf16", "__AVX512BF16__"), ("amx_tile", "__AMX_TILE__"),
                  ("amx_int8", "__AMX_INT8__"), ("amx_bf16", "__AMX_BF16__"))
 

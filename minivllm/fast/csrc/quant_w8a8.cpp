@@ -32,11 +32,11 @@
 //   next tile is prefetched while the first row of x runs), and stay in L1 for the other
 //   rows of x. 4-bit rows are unpacked to a byte a weight once per tile; the tile's scales
 //   (and minimums) are transposed once, to a vector of 8 per group.
-// - The instruction set is chosen at run time from the CPU's features (w8a8_isas()):
-//   AMX-INT8 (its GEMM from 32 rows of x, the rest as AVX512-VNNI), else AVX512-VNNI, else
-//   AVX-VNNI, else AVX2, else a plain loop (portable, the same maths).
-//   The SIMD tiles are written once, in quant_w8a8_tiles.h, and compiled once per
-//   instruction set below, each in its own namespace.
+// - The instruction set is chosen at run time (w8a8_isas()): AMX-INT8 (its GEMM from 32 rows
+//   of x, the rest as AVX512-VNNI), else AVX512-VNNI, else AVX-VNNI, else AVX2, else a plain
+//   loop (portable, the same maths). The SIMD tiles are written once (quant_w8a8_tiles.h)
+//   and compiled per instruction set, each in its own namespace; AVX512-VNNI runs one row
+//   of x in 512-bit registers (quant_w8a8_row512.h).
 // - Scales and minimums stored in float16 (a GGUF's blocks hold them so) are widened to
 //   float32 as a tile transposes them (F16C's vcvtph2ps): exact, so the bits are those of
 //   the same scales in float32, and a batch-1 step reads 2 bytes a group less per row.
@@ -232,9 +232,8 @@ struct IsaEntry {
   GemmFn int8_gemm = nullptr, int4_gemm = nullptr;  // many rows of x, where the ISA has one
 };
 
-// Built for another CPU (MINIVLLM_CPU_ARCH, cpu_ops.py): an instruction set counts only
-// if that CPU has it too, as the build target says (-march=native: this CPU, so the
-// run-time check alone decides).
+// Built for another CPU (MINIVLLM_CPU_ARCH, cpu_ops.py): an instruction set counts only if
+// that CPU has it too, as -march says (native: the run-time check alone decides).
 #if !defined(MINIVLLM_FOREIGN_ARCH) || (defined(__AVX2__) && defined(__F16C__))
 constexpr bool TARGET_AVX2 = true;
 #else
@@ -245,7 +244,8 @@ constexpr bool TARGET_AVXVNNI = true;
 #else
 constexpr bool TARGET_AVXVNNI = false;
 #endif
-#if !defined(MINIVLLM_FOREIGN_ARCH) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if !defined(MINIVLLM_FOREIGN_ARCH) || \
+    (defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__))
 constexpr bool TARGET_AVX512VNNI = true;
 #else
 constexpr bool TARGET_AVX512VNNI = false;
@@ -270,7 +270,7 @@ std::vector<IsaEntry> available_isas() {
                      avxvnni::quantize_group, avxvnni::gemm<false>, avxvnni::gemm<true>});
     }
     if (TARGET_AVX512VNNI && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("avx512vl")) {
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
       out.push_back({"avx512vnni", avx512vnni::tiles512<false>, avx512vnni::tiles512<true>,
                      avx512vnni::quantize_group, avx512vnni::gemm<false>,
                      avx512vnni::gemm<true>});
@@ -303,12 +303,11 @@ const IsaEntry& find_isa(std::string_view name) {
               std::string(name), "'");
 }
 
-// y = the problem's product: the GEMM for many rows of x, else tiles of TILE weight rows.
-// The tiles run revocably (thread_team.h: the caller may rerun a late helper's chunk):
-// a chunk multiplies its weight rows as a problem of its own (w, scales and minimums
-// from its first row on) into its own buffer, and copies that into y only if the chunk
-// is still its. `keep`: the tensors behind p's pointers, which a late helper may still
-// read after this call has returned.
+// y = the problem's product: the GEMM for many rows of x, else tiles of TILE weight rows,
+// run revocably (thread_team.h: the caller may rerun a late helper's chunk): a chunk
+// multiplies its weight rows as a problem of its own into its own buffer, and copies that
+// into y only if the chunk is still its. `keep`: the tensors behind p's pointers, which a
+// late helper may still read after this call has returned.
 void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm, std::vector<at::Tensor> keep) {
   if (p.m == 0 || p.n == 0) return;
   if (gemm != nullptr && p.m >= GEMM_MIN_ROWS) {
@@ -381,17 +380,25 @@ void quantize_activations_int8(at::Tensor& q, at::Tensor& scales, at::Tensor& su
                     t->is_contiguous() && t->scalar_type() == at::kFloat,
                 "scales and sums: (M, K / 32) float32, contiguous");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scales.data_ptr<float>();
   float* sump = sums.data_ptr<float>();
   const QuantizeGroupFn quantize_group = find_isa(isa).quantize_group;
-  parallel_for(0, m * groups, grain_for(GROUP), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int32_t total = quantize_group(xp + i * GROUP, qp + i * GROUP, sp + i);
-      sump[i] = sp[i] * static_cast<float>(total);
-    }
+  MINIVLLM_DISPATCH(xc.scalar_type(), "quantize_activations_int8", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    parallel_for(0, m * groups, grain_for(GROUP), [&](int64_t begin, int64_t end) {
+      float widened[GROUP];  // a group in float32 (exact from bf16 / fp16): x.to(float)'s bits
+      for (int64_t i = begin; i < end; ++i) {
+        const float* g = reinterpret_cast<const float*>(xp + i * GROUP);  // float32: in place
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          for (int64_t c = 0; c < GROUP; ++c) widened[c] = static_cast<float>(xp[i * GROUP + c]);
+          g = widened;
+        }
+        const int32_t total = quantize_group(g, qp + i * GROUP, sp + i);
+        sump[i] = sp[i] * static_cast<float>(total);
+      }
+    });
   });
 }
 
