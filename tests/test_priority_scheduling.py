@@ -137,7 +137,9 @@ class PriorityMachine(RuleBasedStateMachine):
     def teardown(self):
         if not self._ready():
             return
-        for _ in range(400):
+        # Bounded by the work left: a budget of 1 token a step drains ~40 requests of up to
+        # 14 + 8 tokens in more than 400 steps.
+        for _ in range(400 + 50 * self.next_id):
             if not self.ref.has_unfinished_requests():
                 break
             self.step(7)
