@@ -330,7 +330,13 @@ print("fastest at batch 1 here:", max(names, key=decode_tok_s.get))
 # GEMM uses it where the CPU has it (``quant_w8a8_amx.h``, one group of 32 inputs a tile,
 # because every group has its own activation scale): the rescale of each group's sums in
 # AVX-512 is then most of the work, and on that Xeon the batch-64 matmuls ran 1.1-1.3x
-# faster than with AVX512-VNNI. At batch 1 none of them matters: the bytes do.
+# faster than with AVX512-VNNI. At batch 1 the bytes matter most, but not alone: a
+# group's dot products over 8 weight rows and the shuffles that sum them take about 50
+# instructions, and with 4-bit weights (half the bytes for the same work) a core ran
+# out of instructions before it ran out of bandwidth. With AVX-512 one register holds 64 bytes of a row (two int8
+# groups, four 4-bit ones), so a ``vpdpbusd`` and one tree of shuffles serve two or four
+# groups (``quant_w8a8_row512.h``): one core then read 4-bit weights from memory about a
+# third faster on that Xeon, with the same bits.
 # To see an AVX2 laptop's paths on a newer CPU, build the kernels for it:
 # ``MINIVLLM_CPU_ARCH=x86-64-v3`` (then ``w8a8_isas()`` stops at ``avx2``). Measured
 # that way on the Xeon, the plain-AVX2 GEMM at batch 64 ran 103-117% of torch's
