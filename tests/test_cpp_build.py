@@ -67,7 +67,12 @@ def _session(sid: int) -> list[tuple[int, str]]:
 
 
 def _start_build(cache: Path, name: str) -> subprocess.Popen:
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    # The compiler's own temporary files (cc*.s) into the test's folder: a compiler killed
+    # mid-compile cannot delete them, and in /tmp they would outlive the test.
+    tmp = cache / "compiler-tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "PYTHONPATH": str(ROOT),
+           "TMPDIR": str(tmp)}
     # Its own group, as a terminal's job is, and Ctrl-C not ignored: a shell starts a
     # background job (`nohup pytest ... &`) with SIGINT ignored, and that is inherited.
     return subprocess.Popen([sys.executable, "-c", BUILD, name], cwd=ROOT, env=env,
