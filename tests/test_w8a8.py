@@ -290,9 +290,9 @@ def test_cpp_ops_equal_the_ref_exactly_on_every_instruction_set(fmt, m, n, group
     the bits of the same scales in float32). From 8 rows of x (7 and 8 straddle the switch)
     every SIMD instruction set runs the GEMM over weights repacked to VNNI's layout: panels
     of 32 columns on AVX512-VNNI and AMX, 16 on AVX-VNNI and AVX2 (ragged at 5, 13, 37 and
-    70); an odd number of groups leaves a short last transpose. One row of x reads each
-    weight row whole before the next and sums its groups 8 at a time (2..48 groups: a
-    short block, exactly one, a tail of 2, six). AMX takes over from 32 rows,
+    70); an odd number of groups leaves a short last transpose. One row of x on
+    AVX512-VNNI takes 64 bytes of a row a register, two int8 groups or four 4-bit ones, and
+    the groups left over one at a time (2..48 groups: none, one, two or three left over). AMX takes over from 32 rows,
     16 rows of x at a time (40 and 65 leave a zero-padded last block)."""
     method, group_size = fmt
     k = 32 * groups

@@ -62,7 +62,7 @@ constexpr int64_t PROJECTIONS_PER_LAYER = 4;   // qkv, o, gate_up, down
 // A quantized projection's buffers, made at its first layer and reused by the others (every
 // layer's projection p has the same shapes): the activations as int8 with their scales and
 // sums (W8A8 / W4A8), and a float32 output where y is bf16 / fp16. At batch 1 a step runs
-// 120 projections of a few microseconds of work each; making these per call cost ~5% of it.
+// 120 projections of a few microseconds of work each; making these per call cost ~8% of it.
 struct Scratch {
   at::Tensor qx, xs, xsum, out;
 };

@@ -101,15 +101,9 @@ void tiles_one_row(const W8A8Problem& p, int64_t t0, int64_t t1) {
       }
     }
     __m256 acc = _mm256_setzero_ps();  // lane j: y[0, n0 + j]
-    const auto fold = [&](int64_t g, __m256i isum) {  // tiles()'s float part for group g
-      const __m256 scale =
-          _mm256_mul_ps(_mm256_set1_ps(p.xs[g]), _mm256_loadu_ps(&sw[g * ss]));
-      __m256 term = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));  // exact: |I| < 2^24
-      if constexpr (INT4) {
-        const __m256 xsum = _mm256_set1_ps(p.xsum[g]);
-        term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_loadu_ps(&mw[g * TILE]), xsum));
-      }
-      acc = _mm256_add_ps(acc, term);
+    const auto fold = [&](int64_t g, __m256i isum) {  // tiles()'s float part (fold_group)
+      acc = fold_group<INT4>(acc, isum, p.xs[g], &sw[g * ss], mw.data() + (INT4 ? g * TILE : 0),
+                             INT4 ? p.xsum[g] : 0.f);
     };
     for (int64_t q = 0; q < blocks; ++q) {
       for (int64_t b = 0; b < TILE * PER * GROUP_BYTES; b += 64) {

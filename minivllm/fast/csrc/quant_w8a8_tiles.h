@@ -110,6 +110,21 @@ inline void transpose_scales_simd(const W8A8Problem& p, int64_t n0, int64_t nb, 
   }
 }
 
+// The float part of group g for 8 weight rows (lane j: row j), in the ref's order, every
+// product and sum rounded on its own: acc + (s_x s_w) I, plus m_w sum_x for 4-bit weights.
+// isum: the rows' exact integer sums I (|I| < 2^24, so exact as float too); sw, mw: the
+// group's 8 transposed scales and minimums; xs, xsum: the row of x's s_x and sum_x.
+template <bool INT4>
+inline __m256 fold_group(__m256 acc, __m256i isum, float xs, const float* sw, const float* mw,
+                         float xsum) {
+  const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs), _mm256_loadu_ps(sw));
+  __m256 term = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum));
+  if constexpr (INT4) {
+    term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_loadu_ps(mw), _mm256_set1_ps(xsum)));
+  }
+  return _mm256_add_ps(acc, term);
+}
+
 // Tiles t0 .. t1 - 1 (8 weight rows each) for every row of x: y = the ref's sums, bit for
 // bit. 4-bit rows are unpacked in registers for one row of x (each group is used once),
 // else once per tile into `unpacked` (then read from L1 for every row of x).
@@ -169,14 +184,9 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
             v[j] = dot_u8s8(ax, _mm256_sign_epi8(wv, xv));
           }
         }
-        const __m256 isum = _mm256_cvtepi32_ps(sum_lanes8(v));  // exact: |I| < 2^24
-        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[g]), _mm256_loadu_ps(&sw[g * ss]));
-        __m256 term = _mm256_mul_ps(scale, isum);
-        if constexpr (INT4) {
-          const __m256 xsum = _mm256_set1_ps(p.xsum[m * p.groups + g]);
-          term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_loadu_ps(&mw[g * TILE]), xsum));
-        }
-        acc = _mm256_add_ps(acc, term);
+        acc = fold_group<INT4>(acc, sum_lanes8(v), xs[g], &sw[g * ss],
+                               mw.data() + (INT4 ? g * TILE : 0),
+                               INT4 ? p.xsum[m * p.groups + g] : 0.f);
       }
       float lanes[TILE];
       _mm256_storeu_ps(lanes, acc);
