@@ -17,6 +17,14 @@
 // preempted thread holds, and it waits asleep, which frees its core for that
 // thread. thread_team.cpp has the team.
 //
+// The chunks taper: the first half of a loop goes in chunks of 1 / (threads x
+// CHUNKS_PER_THREAD) of it, then each chunk is 1 / (2 x threads) of what is left,
+// down to TAPER times smaller (never below the grain). The threads finish a loop
+// together within one small chunk, where equal chunks left one of them idle for
+// half a large one on average: a batch-1 decode's caller spent ~9% of its time
+// waiting at the end of the GEMVs, streaming weights on one core meanwhile
+// (docs/kernels.md).
+//
 // When a helper keeps being late (another process holds its core), the jobs of the
 // next moment run on the calling thread alone: one thread streams weights nearly as
 // fast as two, and never waits (thread_team.cpp says when a job counts as late).
@@ -35,12 +43,15 @@
 #include <functional>
 #include <memory>
 #include <utility>
+#include <vector>
 
 namespace minivllm {
 
 // Chunks a thread's share of a loop is cut into: more gives a late thread's work
 // to the others in finer pieces; fewer costs fewer claims (a few ns each).
 constexpr int64_t CHUNKS_PER_THREAD = 4;
+// How much smaller than the first chunks the last ones get (see above).
+constexpr int64_t TAPER = 8;
 
 // Runs fn(ctx, c) for every chunk c in [0, chunks), on the team, and returns when
 // every chunk is done. The first exception a chunk throws is rethrown here.
@@ -64,31 +75,37 @@ int64_t team_threads();
 bool team_enabled();
 
 namespace detail {
-// How many chunks a loop of n items is cut into: pieces of at least `grain` items, at
-// most CHUNKS_PER_THREAD a thread.
-inline int64_t chunks_for(int64_t n, int64_t grain) {
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Where a loop over [begin, end) is cut: chunk c is [bounds[c], bounds[c + 1]). Pieces
+// of at least `grain` items, at most CHUNKS_PER_THREAD a thread in the first half of
+// the loop, then tapering (see above). One chunk if the loop is no larger than a grain.
+inline std::vector<int64_t> chunk_bounds(int64_t begin, int64_t end, int64_t grain) {
+  const int64_t n = end - begin, threads = team_threads();
   grain = std::max<int64_t>(1, grain);
-  return std::min((n + grain - 1) / grain, team_threads() * CHUNKS_PER_THREAD);
+  const int64_t largest = std::max(grain, ceil_div(n, threads * CHUNKS_PER_THREAD));
+  const int64_t smallest = std::max(grain, ceil_div(largest, TAPER));
+  std::vector<int64_t> bounds{begin};
+  for (int64_t at = begin; at < end;) {
+    const int64_t size = std::clamp(ceil_div(end - at, 2 * threads), smallest, largest);
+    at = std::min(end, at + size);
+    bounds.push_back(at);
+  }
+  return bounds;
 }
 
-// [begin, end) in chunks of `size` items, and the function team_run calls for chunk c.
-// Fn is how the loop holds f: a reference (parallel_for) or a copy (the revocable one).
+// A loop's chunks, and the function team_run calls for chunk c. Fn is how the loop
+// holds f: a reference (parallel_for) or a copy (the revocable one).
 template <typename Fn>
 struct Loop {
   Fn f;
-  int64_t begin, end, size;
-  int64_t chunks() const { return (end - begin + size - 1) / size; }
+  std::vector<int64_t> bounds;
+  int64_t chunks() const { return static_cast<int64_t>(bounds.size()) - 1; }
   static void run_chunk(const void* ctx, int64_t c) {
     const Loop& l = *static_cast<const Loop*>(ctx);
-    const int64_t b = l.begin + c * l.size;
-    l.f(b, std::min(l.end, b + l.size));
+    l.f(l.bounds[c], l.bounds[c + 1]);
   }
 };
-
-template <typename Fn>
-Loop<Fn> cut(Fn f, int64_t begin, int64_t end, int64_t chunks) {
-  return Loop<Fn>{std::move(f), begin, end, (end - begin + chunks - 1) / chunks};
-}
 }  // namespace detail
 
 // f(b, e) over [begin, end) in pieces of at least `grain` items, as at::parallel_for.
@@ -100,12 +117,12 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     at::parallel_for(begin, end, grain, f);
     return;
   }
-  const int64_t chunks = detail::chunks_for(n, grain);
-  if (chunks <= 1) {  // one piece (or already inside a chunk): this thread runs it
+  if (n <= std::max<int64_t>(1, grain) || team_threads() == 1) {  // one piece (or in a chunk)
     f(begin, end);
     return;
   }
-  const auto loop = detail::cut(std::cref(f), begin, end, chunks);
+  const detail::Loop<std::reference_wrapper<const F>> loop{std::cref(f),
+                                                           detail::chunk_bounds(begin, end, grain)};
   team_run(loop.chunks(), decltype(loop)::run_chunk, &loop);
 }
 
@@ -126,13 +143,12 @@ template <typename F>
 void parallel_for_revocable(int64_t begin, int64_t end, int64_t grain, F f) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  const int64_t chunks = detail::chunks_for(n, grain);
-  if (!team_enabled() || chunks <= 1) {
+  if (!team_enabled() || n <= std::max<int64_t>(1, grain) || team_threads() == 1) {
     parallel_for(begin, end, grain, f);
     return;
   }
   using Loop = detail::Loop<F>;
-  auto loop = std::make_shared<const Loop>(detail::cut(std::move(f), begin, end, chunks));
+  auto loop = std::make_shared<const Loop>(Loop{std::move(f), detail::chunk_bounds(begin, end, grain)});
   const Loop* ctx = loop.get();
   team_run(ctx->chunks(), Loop::run_chunk, ctx, std::move(loop));
 }
