@@ -54,8 +54,8 @@ from minivllm.fast import cpp_build
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("attention.cpp", "cache_write.cpp", "copy_blocks.cpp", "layernorm.cpp",
            "activation.cpp", "rotary.cpp", "gemv.cpp", "gemm_panels.cpp", "quant.cpp",
-           "quant_w8a8.cpp", "layer_stack.cpp", "token_bitmask.cpp", "lora.cpp", "thread_team.cpp",
-           "torch_bindings.cpp")  # fmt: skip
+           "quant_w8a8.cpp", "layer_stack.cpp", "token_bitmask.cpp", "argmax.cpp", "lora.cpp",
+           "thread_team.cpp", "torch_bindings.cpp")  # fmt: skip
 #: Headers the sources include (a change to one rebuilds the library).
 HEADERS = ("ops.h", "thread_team.h", "attention_rows.h", "attention_tile.h", "quant_tiles.h",
            "quant_w8a8_tiles.h", "quant_w8a8_gemm.h", "quant_w8a8_gemm256.h", "quant_w8a8_panels.h",

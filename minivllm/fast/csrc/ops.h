@@ -189,5 +189,7 @@ std::vector<int64_t> cpu_team_stats();
 int64_t parallel_for_coverage(at::Tensor& counts, int64_t grain, int64_t throw_at,
                               int64_t helper_delay_us, int64_t caller_delay_us, bool revocable);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
+// Each row's argmax, as torch.argmax(dim=-1): (N, V) float32 -> (N,) int64 (argmax.cpp).
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 }  // namespace minivllm

@@ -73,6 +73,8 @@ TORCH_LIBRARY(minivllm, m) {
   m.def("float_gemv_max_rows() -> int", &minivllm::float_gemv_max_rows);
   // Structured outputs: -inf where a row's token bitmask forbids (token_bitmask.cpp).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  // The greedy pick: each row's argmax, as torch.argmax(dim=-1) (argmax.cpp).
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   // Each token's own LoRA adapter delta, tokens grouped by adapter slot (lora.cpp).
   m.def(
       "add_lora(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor[] scalings, "
@@ -111,6 +113,7 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
   m.impl("decode_layers", &minivllm::decode_layers);
   m.impl("apply_token_bitmask", &minivllm::apply_token_bitmask);
+  m.impl("argmax_rows", &minivllm::argmax_rows);
   m.impl("add_lora", &minivllm::add_lora);
   m.impl("parallel_for_coverage", &minivllm::parallel_for_coverage);
 }
