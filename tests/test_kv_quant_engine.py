@@ -232,6 +232,6 @@ def test_cpp_layer_stack_gives_the_models_own_bits_with_a_quantized_cache(
     rows: list[int] = []
     run = LayerStack.run
     monkeypatch.setattr(LayerStack, "run",
-                        lambda self, mi: rows.append(mi.input_ids.shape[0]) or run(self, mi))
+                        lambda self, mi, **kw: rows.append(mi.input_ids.shape[0]) or run(self, mi, **kw))
     assert generate(fast, prompts, 10)[:2] == expect
     assert rows

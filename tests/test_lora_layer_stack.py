@@ -52,10 +52,10 @@ def _stack_steps(monkeypatch) -> list[tuple[int, int, bool]]:
     steps: list[tuple[int, int, bool]] = []
     run = LayerStack.run
 
-    def spy(self, mi):
+    def spy(self, mi, **kw):
         steps.append((mi.input_ids.shape[0], mi.attn_metadata.max_query_len,
                       mi.lora is not None))
-        return run(self, mi)
+        return run(self, mi, **kw)
 
     monkeypatch.setattr(LayerStack, "run", spy)
     return steps

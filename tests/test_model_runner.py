@@ -48,14 +48,21 @@ def _runner(llm: LLM):
     return llm.llm_engine.executor.worker.model_runner
 
 
-def _stack_rows(monkeypatch) -> list[int]:
-    """Rows of every step the C++ layer stack runs from now on."""
+def _stack_rows(monkeypatch, logits: list[bool] | None = None) -> list[int]:
+    """Rows of every step the C++ layer stack runs from now on (and into ``logits``,
+    whether that step's logits came out of the same call)."""
     from minivllm.fast.model_runner import LayerStack
 
     calls: list[int] = []
     run = LayerStack.run
-    monkeypatch.setattr(LayerStack, "run",
-                        lambda self, mi: calls.append(mi.input_ids.shape[0]) or run(self, mi))
+
+    def spy(self, mi, **kw):
+        calls.append(mi.input_ids.shape[0])
+        if logits is not None:
+            logits.append(kw.get("logits", False))
+        return run(self, mi, **kw)
+
+    monkeypatch.setattr(LayerStack, "run", spy)
     return calls
 
 
@@ -125,9 +132,13 @@ def test_cpp_layer_stack_gives_the_models_own_bits_for_every_weight_kind(
     prompts = _prompts(5, eager.llm_engine.vocab_size, seed=7)
     expect = _generate(eager, prompts, 10)
     fast = LLM(path, **kw)
-    rows = _stack_rows(monkeypatch)
+    in_call: list[bool] = []
+    rows = _stack_rows(monkeypatch, in_call)
     assert _generate(fast, prompts, 10) == expect
     assert rows
+    # The embedding lookup, the final norm and the LM head ran in the stack's call too.
+    stack = _runner(fast).layer_stack
+    assert stack.lm_head is not None and stack.embedding is not None and all(in_call)
     if dtype == "float32" and quantization is None and _panel_width():
         # float32 weights with panels: the prefill steps' 17-32 rows ran the panel GEMM
         # inside the stack too (the GEMV takes up to 16)

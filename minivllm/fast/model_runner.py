@@ -9,9 +9,12 @@ forward) everywhere else:
   own forward (:mod:`minivllm.fast.model_runner_cuda`): one launch instead of
   a few hundred. Prefills run the model's forward.
 - **CPU**: steps of up to a few dozen rows run the whole layer stack in one
-  C++ call (:class:`LayerStack`, below) that calls the very ops the
-  model's kernel components call, in the same order, so the result is bit for
-  bit the model's forward; a long prefill chunk runs the model's forward.
+  C++ call (:class:`LayerStack`, below; what it runs:
+  :mod:`minivllm.fast.model_runner_rules`) that calls the very ops the model's
+  kernel components call, in the same order, so the result is bit for bit the
+  model's forward; with :meth:`ModelRunner.execute_model_logits` the same call
+  embeds the tokens and ends with the final norm and the LM head. A long
+  prefill chunk runs the model's forward.
 
 **A whitelist, not a blacklist.** The model declares, by name, every feature
 its forward uses (``LlamaForCausalLM.features``: ``"gqa"``, ``"qkv_bias"``,
@@ -21,8 +24,8 @@ forward, and the reason is logged once. A feature added to the model later is
 therefore never silently computed wrongly: it runs plainly until a fast path
 learns it.
 
-**The CPU path, in detail.** At batch 1 a SmolLM2 decode step runs 30 layers
-of about ten kernels each, and every kernel is small (a 576-wide RMSNorm is a
+**The CPU path, in detail.** At batch 1 a SmolLM2 decode step runs 30 layers of
+about ten kernels each, and every kernel is small (a 576-wide RMSNorm is a
 microsecond of work). The model's forward pays, per kernel, for things that do
 not change within a step: ``nn.Module.__call__``, a profiler check, the kernel
 wrapper's input checks and casts (repeated in all 30 layers although the
@@ -30,23 +33,28 @@ inputs are the same), an output allocation: milliseconds a step, more than
 the kernels of a small model. :class:`LayerStack` writes the same loop in C++
 (``minivllm/fast/csrc/layer_stack.cpp``, ``torch.ops.minivllm.decode_layers``),
 calling the very C++ ops the model's kernel components call, into buffers
-allocated once per call. :meth:`LayerStack.build` checks once that it may:
-the model declares only features the loop implements
-(:data:`SUPPORTED_FEATURES`), every kernel component is the C++ op (not the
-ref, not a student's package), and every projection is a weight the loop
-multiplies (float32 or bf16, or int8 / int4 :class:`~minivllm.quantized_weight.QuantizedWeight`
-of the fast quantization twin, GGUF blocks included, with float or int8
-activations: W8A16 / W4A16 / W8A8 / W4A8) without a bias, as
-:func:`~minivllm.fast.linear_kernel.projection_kernel` decides for the linear
-forward too;
-:meth:`LayerStack.can_run` checks per step that every projection is a GEMV at
-that many rows (a long prefill chunk runs the model's forward, whose GEMMs
-dominate it). The KV cache may be of any ``kv_cache_dtype``: an int8 / fp8
-layer's scales go to the same cache-write and attention ops, as the model's
-forward passes them. LoRA adapters (``"lora"``: :mod:`minivllm.lora.layers`) stay
-in the loop too: every projection's adapter stacks are bound once, a step passes
-its token -> slot map, and after each projection the loop calls the ``add_lora``
-op the model's ``ProjectionLoRA`` calls.
+allocated once per call. :meth:`LayerStack.build` checks once that it may
+(:mod:`minivllm.fast.model_runner_rules`): the model declares only features the
+loop implements (:data:`SUPPORTED_FEATURES`), every kernel component is the C++
+op (not the ref, not a student's package), and every projection is a weight the
+loop multiplies (float32 or bf16, or int8 / int4
+:class:`~minivllm.quantized_weight.QuantizedWeight` of the fast quantization twin,
+GGUF blocks included, with float or int8 activations: W8A16 / W4A16 / W8A8 / W4A8)
+without a bias, as :func:`~minivllm.fast.linear_kernel.projection_kernel` decides
+for the linear forward too; :meth:`LayerStack.can_run` checks per step that every
+projection is a GEMV at that many rows (a long prefill chunk runs the model's
+forward, whose GEMMs dominate it). The KV cache may be of any ``kv_cache_dtype``:
+an int8 / fp8 layer's scales go to the same cache-write and attention ops, as the
+model's forward passes them. LoRA adapters (``"lora"``: :mod:`minivllm.lora.layers`)
+stay in the loop too: every projection's adapter stacks are bound once, a step
+passes its token -> slot map, and after each projection the loop calls the
+``add_lora`` op the model's ``ProjectionLoRA`` calls. Around the layers the same
+call looks up the step's embeddings (a plain one-rank table) and ends with the
+final norm and, for :meth:`ModelRunner.execute_model_logits`, the LM head on the
+rows to sample: float32 logits, bit for bit the model's ``compute_logits``. Each
+of those was a Python call of its own, and after a step has streamed its weights
+every Python call runs from cold caches (docs/kernels.md, "The host between two
+C++ calls").
 
 **The model's forward wins** where a reader or a tool needs it:
 ``enforce_eager=True`` (a breakpoint in ``LlamaDecoderLayer.forward`` fires
@@ -58,20 +66,25 @@ kernel.
 from __future__ import annotations
 
 import logging
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from minivllm.fast import model_runner_hugepages as hugepages
-from minivllm.fast.linear_kernel import ProjectionKernel, kind_numbers, projection_kernel
+from minivllm.fast.linear_kernel import ProjectionKernel, kind_numbers
+from minivllm.fast.model_runner_rules import (
+    SUPPORTED_FEATURES,
+    components_why_not,
+    embedding_table,
+    lm_head_kernel,
+    projection_kernel_of,
+)
 from minivllm.lora.layers import projection_loras
 from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
-from minivllm.quantized_weight import QuantizedWeight
 from minivllm.ref import model_runner as _ref
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "LayerStack", "SUPPORTED_FEATURES"]
 
 logger = logging.getLogger("minivllm")
 
@@ -184,77 +197,22 @@ class ModelRunner(_ref.ModelRunner):
                 return self.cuda_graphs.run(model_input)
         return super().execute_model(model_input, intermediate_tensors)
 
+    @torch.inference_mode()
+    def execute_model_logits(self, model_input: ModelInput,
+                             intermediate_tensors: Any = None) -> torch.Tensor:
+        """The ref's forward-then-logits; on a CPU the layer stack computes the logits in
+        the same C++ call where it has the LM head bound (the same bits)."""
+        stack = self.layer_stack
+        if (stack is not None and stack.lm_head is not None and intermediate_tensors is None
+                and not is_recording() and stack.can_run(model_input)):
+            return stack.run(model_input, logits=True)
+        return super().execute_model_logits(model_input, intermediate_tensors)
+
 
 # ----------------------------------------------------------------------------- the CPU path
 
-#: The model features (``LlamaForCausalLM.features``) the C++ loop implements.
-SUPPORTED_FEATURES = frozenset({
-    "embedding", "rms_norm", "qkv_proj", "gqa", "rope", "paged_attention", "o_proj",
-    "silu_gated_mlp", "final_norm", "tied_embeddings", "lora",
-})
-
-#: (module attribute holding the component, function name) -> the C++ op it must be.
-_REQUIRED_OPS = MappingProxyType({
-    ("layernorm", "fused_add_rms_norm"): "fused_add_rms_norm",
-    ("layernorm", "rms_norm"): "rms_norm",
-    ("rotary", "apply_rotary_emb"): "rotary_embedding",
-    ("cache_write", "reshape_and_cache"): "reshape_and_cache",
-    ("attention", "paged_attention"): "paged_attention",
-    ("activation", "silu_and_mul"): "silu_and_mul",
-    ("lora", "add_lora"): "add_lora",
-})
-
-
-def _cpp_functions() -> dict[tuple[str, str], set]:
-    """The Python functions that are thin wrappers over the C++ ops, per component."""
-    from minivllm.fast import activation, attention, cache_write, layernorm, lora, rotary
-
-    mods = dict(layernorm=layernorm, rotary=rotary, cache_write=cache_write,
-                attention=attention, activation=activation, lora=lora)
-    # ``fast.X.f`` dispatches on the device to ``f_cpu``; ``fast.cpu`` serves ``f_cpu``.
-    return {key: {getattr(mods[key[0]], key[1]), getattr(mods[key[0]], key[1] + "_cpu")}
-            for key in _REQUIRED_OPS}
-
-
-def _components_why_not(model: torch.nn.Module) -> str | None:
-    """None if every kernel the model calls is the C++ op; else which one is not."""
-    inner = model.model
-    layers = inner.layers
-    found = {
-        ("layernorm", "fused_add_rms_norm"): [l.input_layernorm.ops.fused_add_rms_norm
-                                              for l in layers],
-        ("layernorm", "rms_norm"): [inner.norm.ops.rms_norm],
-        ("rotary", "apply_rotary_emb"): [inner.rotary_emb.ops.apply_rotary_emb],
-        ("cache_write", "reshape_and_cache"): [l.self_attn.ops_cache.reshape_and_cache
-                                               for l in layers],
-        ("attention", "paged_attention"): [l.self_attn.ops_attn.paged_attention for l in layers],
-        ("activation", "silu_and_mul"): [l.mlp.ops_act.silu_and_mul for l in layers],
-        # A student's (or the ref's) add_lora must run, not the C++ op in its place.
-        ("lora", "add_lora"): [p.ops.add_lora for _, _, p in projection_loras(model)]
-        if "lora" in model.features else [],
-    }
-    cpp = _cpp_functions()
-    for key, fns in found.items():
-        if any(f not in cpp[key] for f in fns):
-            return f"{key[0]} is not the C++ op"
-    return None
-
-
-def _projection(layer: torch.nn.Module) -> ProjectionKernel | str:
-    """The C++ kernel of one projection (:func:`~minivllm.fast.linear_kernel.projection_kernel`,
-    the linear forward's own rule), or why the C++ loop can't run it."""
-    from minivllm.fast import linear as fast_linear
-    from minivllm.fast import quantization as fast_quantization
-
-    if not isinstance(layer, (fast_linear.ColumnParallelLinear, fast_linear.RowParallelLinear)):
-        return f"{type(layer).__name__} is not the fast linear twin"
-    if layer.bias is not None:
-        return "a projection has a bias"
-    w = layer.weight
-    # The model's forward multiplies a quantized weight through the component it carries.
-    if isinstance(w, QuantizedWeight) and w.ops is not fast_quantization:
-        return "a quantized weight not served by the fast quantization twin"
-    return projection_kernel(w, getattr(layer, "packed_weight", None))
+#: logits_indices of a call without the LM head (decode_layers reads none).
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)
 
 
 def _lora_mapping(lora: Any) -> tuple[torch.Tensor | None, ...]:
@@ -281,7 +239,14 @@ class LayerStack:
         inner = model.model
         attn = inner.layers[0].self_attn
         self.embed = inner.embed_tokens.forward
-        self.final_norm, self.eps = inner.norm.weight, inner.norm.eps
+        self.final_norm, self.eps = inner.norm.weight, float(inner.norm.eps)
+        # The lookup, the final norm and the LM head run in the same C++ call where they
+        # qualify (model_runner_rules; else the model's embedding and compute_logits run).
+        self.embedding = embedding_table(model, self.final_norm.dtype)
+        head = lm_head_kernel(model)
+        self.lm_head = None if isinstance(head, str) else head
+        self.lm_head_kind = -1 if self.lm_head is None else kind_numbers()[self.lm_head.kind]
+        self.vocab_size = model.config.vocab_size
         self.cos_sin_cache = inner.rotary_emb.cos_sin_cache.float().contiguous()
         self.is_neox = bool(inner.rotary_emb.is_neox_style)
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
@@ -310,10 +275,11 @@ class LayerStack:
         #: Most rows (tokens in a step) for which every projection is a GEMV.
         self.max_rows = min(fast_quantization.GEMV_MAX_ROWS if p.max_rows is None
                             else p.max_rows for p in projections)
+        if self.lm_head is not None and self.lm_head.max_rows is not None:
+            self.max_rows = min(self.max_rows, self.lm_head.max_rows)
         ops = cpu_ops.ops()
-        # The overloads themselves: skips the OpOverloadPacket lookup on every call.
+        # The overload itself: skips the OpOverloadPacket lookup on every call.
         self._decode_layers = ops.decode_layers.default
-        self._fused_add_rms_norm = ops.fused_add_rms_norm.default
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches) -> LayerStack | str:
@@ -327,7 +293,7 @@ class LayerStack:
         unsupported = sorted(model.features - SUPPORTED_FEATURES)
         if unsupported:
             return f"the C++ layer stack does not implement {', '.join(unsupported)}"
-        why = _components_why_not(model)
+        why = components_why_not(model)
         if why is not None:
             return why
         layers = model.model.layers
@@ -352,7 +318,7 @@ class LayerStack:
         for layer in layers:
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                got = _projection(proj)
+                got = projection_kernel_of(proj)
                 if isinstance(got, str):
                     return got
                 if got.kind not in numbers:
@@ -366,14 +332,31 @@ class LayerStack:
         return 0 < rows <= self.max_rows and model_input.attn_metadata.num_seqs > 0
 
     @torch.inference_mode()
-    def run(self, model_input: ModelInput) -> torch.Tensor:  # (num_tokens, hidden)
-        """The decoder over one step's flat batch; writes its K/V into the caches."""
+    def run(self, model_input: ModelInput, logits: bool = False) -> torch.Tensor:
+        """The decoder over one step's flat batch; writes its K/V into the caches.
+
+        Returns the final hidden states ``(num_tokens, hidden)``, as the model's forward;
+        with ``logits=True`` (only where :attr:`lm_head` is bound) the float32 logits of
+        the rows to sample instead, ``(num_logits, vocab)``, as the model's
+        ``compute_logits(hidden[model_input.logits_indices])``.
+        """
         md = model_input.attn_metadata
         num_heads, num_kv_heads, head_dim, scale = self.shape
-        residual = self.embed(model_input.input_ids)  # (T, hidden): the residual stream
+        ids = model_input.input_ids
+        if self.embedding is not None:  # the lookup runs in C++
+            residual = torch.empty(ids.shape[0], self.final_norm.shape[0],
+                                   dtype=self.final_norm.dtype)
+        else:
+            residual = self.embed(ids)  # (T, hidden): the residual stream
         hidden = torch.empty_like(residual)
+        out, rows, head = None, _NO_ROWS, []
+        if logits:
+            rows = model_input.logits_indices.to(torch.int64).contiguous()
+            out = torch.empty(rows.shape[0], self.lm_head.tensors[0].shape[0],
+                              dtype=torch.float32)
+            head = list(self.lm_head.tensors)
         self._decode_layers(
-            hidden, residual,
+            hidden, residual, ids.to(torch.int64).contiguous(), self.embedding,
             model_input.positions.to(torch.int64).contiguous(),  # (T,)
             md.slot_mapping.to(torch.int64).contiguous(),  # (T,)
             md.block_tables.to(torch.int32),  # (num_seqs, max_blocks)
@@ -382,6 +365,6 @@ class LayerStack:
             self.cos_sin_cache, self.is_neox, self.norms, self.norm_eps, self.weights,
             self.kinds, self.k_caches, self.v_caches, num_heads, num_kv_heads, head_dim, scale,
             self.k_scales, self.v_scales, self.lora_a, self.lora_b, self.lora_scalings,
-            self.lora_slices, *_lora_mapping(model_input.lora))
-        self._fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
-        return hidden
+            self.lora_slices, *_lora_mapping(model_input.lora),
+            self.final_norm, self.eps, out, rows, head, self.lm_head_kind)
+        return hidden if out is None else out[:, : self.vocab_size]

@@ -67,3 +67,13 @@ class ModelRunner:
         """
         return self.model(model_input.input_ids, model_input.positions, self.kv_caches,
                           model_input.attn_metadata, intermediate_tensors, model_input.lora)
+
+    @torch.inference_mode()
+    def execute_model_logits(self, model_input: ModelInput,
+                             intermediate_tensors: Any = None) -> torch.Tensor:
+        """The forward (on the last pipeline stage), then the logits of the rows to sample:
+        ``(num_logits, vocab)`` float32, ``model.compute_logits`` of the final hidden
+        states at ``model_input.logits_indices`` (each sequence's last row, or every row
+        a step verifies or scores)."""
+        hidden = self.execute_model(model_input, intermediate_tensors)
+        return self.model.compute_logits(hidden[model_input.logits_indices])

@@ -244,8 +244,7 @@ class DraftModelProposer:
         model_input = ModelInput.build(self.block_tables, [r.request_id for r in requests],
                                        counts, [s + n for s, n in zip(starts, counts)], ids,
                                        positions, last, self.device)
-        hidden = self.runner.execute_model(model_input)
-        return self.model.compute_logits(hidden[model_input.logits_indices])
+        return self.runner.execute_model_logits(model_input)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]
                 ) -> tuple[list[int], torch.Tensor]:

@@ -331,10 +331,9 @@ class Worker:
         ``intermediate_tensors`` (None on the first) and returns its own; the
         last stage returns the logits of the rows to sample.
         """
-        out = self.model_runner.execute_model(model_input, intermediate_tensors)
-        if not self.is_last_rank:
-            return out  # IntermediateTensors for the next stage
-        return self.model.compute_logits(out[model_input.logits_indices])
+        if not self.is_last_rank:  # IntermediateTensors for the next stage
+            return self.model_runner.execute_model(model_input, intermediate_tensors)
+        return self.model_runner.execute_model_logits(model_input, intermediate_tensors)
 
 
 def serve(worker: Worker) -> None:

@@ -32,11 +32,19 @@
 // projection would take one of those ops anyway (few rows, no bias, one rank),
 // and passes which kind each one is. Buffers for q/k/v, the attention output,
 // gate/up and the activation are allocated once per call and reused by every
-// layer. The embedding lookup and the final norm stay in Python.
+// layer.
+//
+// Around the layers, the call also does what the model's forward and its compute_logits
+// do, where Python binds them: the embedding lookup (a row copy, as F.embedding; None:
+// the caller filled `residual`), the final norm, and the LM head on the rows to sample
+// (logits_indices), as float32 logits. Each of those was a Python call of its own, and
+// after a step's 540 MB of weights every Python call runs from cold caches: at batch 1
+// in float32 they cost ~0.35 ms a step (docs/kernels.md, "The host between two C++ calls").
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
 
+#include <cstring>
 #include <iterator>
 #include <optional>
 
@@ -134,6 +142,66 @@ struct LoRA {
   }
 };
 
+// dst[i] = src[rows[i]] for i < n: whole rows of two contiguous 2-D tensors of one dtype.
+void copy_rows(at::Tensor& dst, const at::Tensor& src, const int64_t* rows, int64_t n) {
+  const auto bytes = static_cast<size_t>(src.size(1) * src.element_size());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(dst.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(to + i * bytes, from + rows[i] * bytes, bytes);
+}
+
+// residual (T, hidden) = the embedding's rows input_ids, as F.embedding copies them.
+void embed(at::Tensor& residual, const at::Tensor& input_ids, const at::Tensor& table) {
+  const int64_t T = residual.size(0), width = residual.size(1), vocab = table.size(0);
+  TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 &&
+                  input_ids.size(0) == T && input_ids.is_contiguous(),
+              "decode_layers: input_ids: (T,) int64, contiguous");
+  TORCH_CHECK(table.dim() == 2 && table.size(1) == width && table.is_contiguous() &&
+                  table.scalar_type() == residual.scalar_type(),
+              "decode_layers: embedding: contiguous (vocab, hidden) in the activations' dtype");
+  const int64_t* ids = input_ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "decode_layers: token id ", ids[t],
+                " outside the vocabulary [0, ", vocab, ")");
+  }
+  copy_rows(residual, table, ids, T);
+}
+
+// logits (n, V) float32 = hidden[rows] W^T, through the op the LM head's linear forward
+// takes for n rows (project), then widened from the activations' dtype, as the model's
+// compute_logits does with .float() (exact).
+void lm_head_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& rows,
+                    at::TensorList lm_head, int64_t kind) {
+  const int64_t n = rows.size(0), T = hidden.size(0);
+  TORCH_CHECK(lm_head.size() == TENSORS_PER_PROJECTION, "decode_layers: lm_head: 3 tensors");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "decode_layers: logits_indices: (n,) int64, contiguous");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                  logits.dim() == 2 && logits.size(0) == n,
+              "decode_layers: logits: contiguous (n, V) float32, a row per logits index");
+  const int64_t* idx = rows.data_ptr<int64_t>();
+  bool all_rows = n == T;  // the common decode step: every row, in order
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < T, "decode_layers: logits index ", idx[i],
+                " outside [0, ", T, ")");
+    all_rows = all_rows && idx[i] == i;
+  }
+  at::Tensor x = all_rows ? hidden : at::empty({n, hidden.size(1)}, hidden.options());
+  if (!all_rows) copy_rows(x, hidden, idx, n);
+  Scratch scratch;
+  if (hidden.scalar_type() == at::kFloat) {
+    project(logits, x, kind, lm_head.data(), scratch);
+    return;
+  }
+  at::Tensor y = at::empty(logits.sizes(), hidden.options());
+  project(y, x, kind, lm_head.data(), scratch);
+  float* dst = logits.data_ptr<float>();
+  MINIVLLM_DISPATCH(y.scalar_type(), "decode_layers", [&] {
+    const scalar_t* src = y.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < y.numel(); ++i) dst[i] = static_cast<float>(src[i]);
+  });
+}
+
 }  // namespace
 
 std::vector<std::string> decode_layers_kinds() {
@@ -144,7 +212,8 @@ int64_t act_group_size() { return ACT_GROUP_SIZE; }
 
 int64_t float_gemv_max_rows() { return FLOAT_GEMV_MAX_ROWS; }
 
-void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_ids,
+                   const std::optional<at::Tensor>& embedding, const at::Tensor& positions,
                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
@@ -155,7 +224,10 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
                    at::TensorList lora_b, at::TensorList lora_scalings,
                    at::IntArrayRef lora_slices, const std::optional<at::Tensor>& sorted_tokens,
                    const std::optional<at::Tensor>& seg_starts,
-                   const std::optional<at::Tensor>& seg_slots) {
+                   const std::optional<at::Tensor>& seg_slots, const at::Tensor& final_norm,
+                   double final_eps, std::optional<at::Tensor> logits,
+                   const at::Tensor& logits_indices, at::TensorList lm_head,
+                   int64_t lm_head_kind) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one V cache a layer");
   // A quantized cache (int8 / fp8) has its scales beside it, one pair a layer; a float none.
@@ -196,6 +268,7 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
     lora.seg_slots = &*seg_slots;
   }
   const int64_t T = hidden.size(0);
+  if (embedding.has_value()) embed(residual, input_ids, *embedding);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = hidden.options();
   // Sizes from layer 0's weights (kind-aware: int4 packs two weights a byte).
@@ -243,6 +316,8 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& p
     project(hidden, act, kind[3], w + 3 * TENSORS_PER_PROJECTION, scratch[3]);
     lora.add(hidden, act, p + 3);
   }
+  fused_add_rms_norm(hidden, residual, final_norm, final_eps);  // the final norm
+  if (logits.has_value()) lm_head_logits(*logits, hidden, logits_indices, lm_head, lm_head_kind);
 }
 
 }  // namespace minivllm
