@@ -43,6 +43,8 @@
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
 
 #include <cstring>
 #include <iterator>
@@ -129,7 +131,7 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
 struct LoRA {
   at::TensorList a, b, scalings;
   at::IntArrayRef slices;
-  std::vector<int64_t> first;  // per projection, its first slice
+  at::IntArrayRef first;  // per projection, its first slice
   const at::Tensor *sorted_tokens = nullptr, *seg_starts = nullptr, *seg_slots = nullptr;
 
   void add(at::Tensor& y, const at::Tensor& x, int64_t p) const {
@@ -204,6 +206,42 @@ void lm_head_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tens
 
 }  // namespace
 
+// What a model's layer stack binds once (fast/model_runner.py's LayerStack builds it at
+// start-up): everything decode_layers reads that does not change from step to step. Passed
+// as one object, a step's call converts none of its ~500 tensors (the dispatcher's list
+// conversion cost ~40 us a call warm, more after a step's weights have swept the caches).
+// Its lists are checked once, here.
+struct LayerStackArgs : torch::CustomClassHolder {
+  at::Tensor cos_sin_cache;
+  bool is_neox;
+  std::vector<at::Tensor> norms;  // input and post-attention norm of each layer
+  std::vector<double> eps;
+  std::vector<at::Tensor> weights;  // TENSORS_PER_PROJECTION a projection, 4 a layer
+  std::vector<int64_t> kinds;       // each projection's Kind
+  std::vector<at::Tensor> k_caches, v_caches;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double scale;
+  std::vector<at::Tensor> k_scales, v_scales;  // an int8 / fp8 cache's; none for a float one
+  std::vector<at::Tensor> lora_a, lora_b, lora_scalings;  // every projection's slices
+  std::vector<int64_t> lora_slices, lora_first;  // per projection: slices, its first one
+  std::optional<at::Tensor> embedding;            // None: the caller fills `residual`
+  at::Tensor final_norm;
+  double final_eps;
+  std::vector<at::Tensor> lm_head;  // none, or its projection's 3 tensors
+  int64_t lm_head_kind;
+
+  LayerStackArgs(at::Tensor cos_sin_cache_, bool is_neox_, std::vector<at::Tensor> norms_,
+                 std::vector<double> eps_, std::vector<at::Tensor> weights_,
+                 std::vector<int64_t> kinds_, std::vector<at::Tensor> k_caches_,
+                 std::vector<at::Tensor> v_caches_, int64_t num_heads_, int64_t num_kv_heads_,
+                 int64_t head_dim_, double scale_, std::vector<at::Tensor> k_scales_,
+                 std::vector<at::Tensor> v_scales_, std::vector<at::Tensor> lora_a_,
+                 std::vector<at::Tensor> lora_b_, std::vector<at::Tensor> lora_scalings_,
+                 std::vector<int64_t> lora_slices_, std::optional<at::Tensor> embedding_,
+                 at::Tensor final_norm_, double final_eps_, std::vector<at::Tensor> lm_head_,
+                 int64_t lm_head_kind_);
+};
+
 std::vector<std::string> decode_layers_kinds() {
   return std::vector<std::string>(std::begin(KIND_NAMES), std::end(KIND_NAMES));
 }
@@ -212,28 +250,30 @@ int64_t act_group_size() { return ACT_GROUP_SIZE; }
 
 int64_t float_gemv_max_rows() { return FLOAT_GEMV_MAX_ROWS; }
 
-void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_ids,
-                   const std::optional<at::Tensor>& embedding, const at::Tensor& positions,
-                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                   const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
-                   at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
-                   at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double scale,
-                   at::TensorList k_scales, at::TensorList v_scales, at::TensorList lora_a,
-                   at::TensorList lora_b, at::TensorList lora_scalings,
-                   at::IntArrayRef lora_slices, const std::optional<at::Tensor>& sorted_tokens,
-                   const std::optional<at::Tensor>& seg_starts,
-                   const std::optional<at::Tensor>& seg_slots, const at::Tensor& final_norm,
-                   double final_eps, std::optional<at::Tensor> logits,
-                   const at::Tensor& logits_indices, at::TensorList lm_head,
-                   int64_t lm_head_kind) {
+LayerStackArgs::LayerStackArgs(
+    at::Tensor cos_sin_cache_, bool is_neox_, std::vector<at::Tensor> norms_,
+    std::vector<double> eps_, std::vector<at::Tensor> weights_, std::vector<int64_t> kinds_,
+    std::vector<at::Tensor> k_caches_, std::vector<at::Tensor> v_caches_, int64_t num_heads_,
+    int64_t num_kv_heads_, int64_t head_dim_, double scale_, std::vector<at::Tensor> k_scales_,
+    std::vector<at::Tensor> v_scales_, std::vector<at::Tensor> lora_a_,
+    std::vector<at::Tensor> lora_b_, std::vector<at::Tensor> lora_scalings_,
+    std::vector<int64_t> lora_slices_, std::optional<at::Tensor> embedding_,
+    at::Tensor final_norm_, double final_eps_, std::vector<at::Tensor> lm_head_,
+    int64_t lm_head_kind_)
+    : cos_sin_cache(std::move(cos_sin_cache_)), is_neox(is_neox_), norms(std::move(norms_)),
+      eps(std::move(eps_)), weights(std::move(weights_)), kinds(std::move(kinds_)),
+      k_caches(std::move(k_caches_)), v_caches(std::move(v_caches_)), num_heads(num_heads_),
+      num_kv_heads(num_kv_heads_), head_dim(head_dim_), scale(scale_),
+      k_scales(std::move(k_scales_)), v_scales(std::move(v_scales_)), lora_a(std::move(lora_a_)),
+      lora_b(std::move(lora_b_)), lora_scalings(std::move(lora_scalings_)),
+      lora_slices(std::move(lora_slices_)), embedding(std::move(embedding_)),
+      final_norm(std::move(final_norm_)), final_eps(final_eps_), lm_head(std::move(lm_head_)),
+      lm_head_kind(lm_head_kind_) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L, "decode_layers: one V cache a layer");
   // A quantized cache (int8 / fp8) has its scales beside it, one pair a layer; a float none.
-  const bool quantized_cache = !k_scales.empty();
-  TORCH_CHECK(static_cast<int64_t>(v_scales.size()) == static_cast<int64_t>(k_scales.size()) &&
-                  (!quantized_cache || static_cast<int64_t>(k_scales.size()) == L),
+  TORCH_CHECK(v_scales.size() == k_scales.size() &&
+                  (k_scales.empty() || static_cast<int64_t>(k_scales.size()) == L),
               "decode_layers: k_scales and v_scales: one a layer (a quantized cache) or none");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(eps.size()) == 2 * L,
               "decode_layers: norms and eps: 2 per layer (input, post-attention)");
@@ -241,16 +281,15 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                   static_cast<int64_t>(weights.size()) ==
                       TENSORS_PER_PROJECTION * PROJECTIONS_PER_LAYER * L,
               "decode_layers: 4 projections a layer, 3 tensors each");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.sizes() == residual.sizes() && hidden.is_contiguous() &&
-                  residual.is_contiguous(),
-              "decode_layers: hidden and residual: (T, hidden), contiguous");
-  LoRA lora{lora_a, lora_b, lora_scalings, lora_slices, {}};
+  TORCH_CHECK(lm_head.empty() || (lm_head.size() == TENSORS_PER_PROJECTION &&
+                                  lm_head_kind >= 0 && lm_head_kind < NUM_KINDS),
+              "decode_layers: lm_head: none, or 3 tensors and a kind");
   if (!lora_slices.empty()) {  // stacks bound: one entry a projection, its slices in order
     TORCH_CHECK(static_cast<int64_t>(lora_slices.size()) == PROJECTIONS_PER_LAYER * L,
                 "decode_layers: lora_slices: 4 per layer");
     int64_t total = 0;
     for (const int64_t n : lora_slices) {
-      lora.first.push_back(total);
+      lora_first.push_back(total);
       total += n;
     }
     TORCH_CHECK(static_cast<int64_t>(lora_a.size()) == total &&
@@ -258,17 +297,45 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
                     static_cast<int64_t>(lora_scalings.size()) == total,
                 "decode_layers: lora_a, lora_b, lora_scalings: one per slice");
   }
+}
+
+void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_ids,
+                   const at::Tensor& positions, const at::Tensor& slot_mapping,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const at::Tensor& query_start_loc,
+                   const c10::intrusive_ptr<LayerStackArgs>& stack,
+                   const std::optional<at::Tensor>& sorted_tokens,
+                   const std::optional<at::Tensor>& seg_starts,
+                   const std::optional<at::Tensor>& seg_slots, std::optional<at::Tensor> logits,
+                   const at::Tensor& logits_indices) {
+  const LayerStackArgs& a = *stack;
+  const at::TensorList norms = a.norms, weights = a.weights, k_caches = a.k_caches,
+                       v_caches = a.v_caches, k_scales = a.k_scales, v_scales = a.v_scales;
+  const at::ArrayRef<double> eps = a.eps;
+  const at::IntArrayRef kinds = a.kinds;
+  const at::Tensor& cos_sin_cache = a.cos_sin_cache;
+  const bool is_neox = a.is_neox;
+  const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, head_dim = a.head_dim;
+  const double scale = a.scale;
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  const bool quantized_cache = !k_scales.empty();
+  TORCH_CHECK(hidden.dim() == 2 && hidden.sizes() == residual.sizes() && hidden.is_contiguous() &&
+                  residual.is_contiguous(),
+              "decode_layers: hidden and residual: (T, hidden), contiguous");
+  LoRA lora{a.lora_a, a.lora_b, a.lora_scalings, a.lora_slices, a.lora_first};
   TORCH_CHECK(sorted_tokens.has_value() == seg_starts.has_value() &&
                   seg_starts.has_value() == seg_slots.has_value() &&
-                  (!sorted_tokens.has_value() || !lora_slices.empty()),
+                  (!sorted_tokens.has_value() || !a.lora_slices.empty()),
               "decode_layers: a LoRA mapping needs all three tensors and the stacks");
+  TORCH_CHECK(!logits.has_value() || !a.lm_head.empty(),
+              "decode_layers: logits asked of a stack bound without its LM head");
   if (sorted_tokens.has_value()) {
     lora.sorted_tokens = &*sorted_tokens;
     lora.seg_starts = &*seg_starts;
     lora.seg_slots = &*seg_slots;
   }
   const int64_t T = hidden.size(0);
-  if (embedding.has_value()) embed(residual, input_ids, *embedding);
+  if (a.embedding.has_value()) embed(residual, input_ids, *a.embedding);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = hidden.options();
   // Sizes from layer 0's weights (kind-aware: int4 packs two weights a byte).
@@ -316,8 +383,33 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
     project(hidden, act, kind[3], w + 3 * TENSORS_PER_PROJECTION, scratch[3]);
     lora.add(hidden, act, p + 3);
   }
-  fused_add_rms_norm(hidden, residual, final_norm, final_eps);  // the final norm
-  if (logits.has_value()) lm_head_logits(*logits, hidden, logits_indices, lm_head, lm_head_kind);
+  fused_add_rms_norm(hidden, residual, a.final_norm, a.final_eps);  // the final norm
+  if (logits.has_value()) {
+    lm_head_logits(*logits, hidden, logits_indices, a.lm_head, a.lm_head_kind);
+  }
 }
+
+// The class and the op that takes it, registered here (the class before the schema that
+// names it; torch_bindings.cpp has the others).
+TORCH_LIBRARY_FRAGMENT(minivllm, m) {
+  m.class_<LayerStackArgs>("LayerStackArgs")
+      .def(torch::init<at::Tensor, bool, std::vector<at::Tensor>, std::vector<double>,
+                       std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                       std::optional<at::Tensor>, at::Tensor, double, std::vector<at::Tensor>,
+                       int64_t>());
+  // The whole decoder layer stack of a step, LoRA deltas included; with `logits`, the LM
+  // head's float32 logits of the rows logits_indices too. Writes the bound KV caches.
+  m.def(
+      "decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_ids, "
+      "Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, __torch__.torch.classes.minivllm.LayerStackArgs stack, "
+      "Tensor? sorted_tokens, Tensor? seg_starts, Tensor? seg_slots, Tensor(g!)? logits, "
+      "Tensor logits_indices) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CPU, m) { m.impl("decode_layers", &decode_layers); }
 
 }  // namespace minivllm

@@ -168,22 +168,6 @@ void add_lora(at::Tensor& y, const at::Tensor& x, at::TensorList lora_a, at::Ten
               at::TensorList scalings, const at::Tensor& sorted_tokens,
               const at::Tensor& seg_starts, const at::Tensor& seg_slots,
               at::IntArrayRef output_slices);
-void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_ids,
-                   const std::optional<at::Tensor>& embedding, const at::Tensor& positions,
-                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                   const at::Tensor& cos_sin_cache, bool is_neox, at::TensorList norms,
-                   at::ArrayRef<double> eps, at::TensorList weights, at::IntArrayRef kinds,
-                   at::TensorList k_caches, at::TensorList v_caches, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double scale,
-                   at::TensorList k_scales, at::TensorList v_scales, at::TensorList lora_a,
-                   at::TensorList lora_b, at::TensorList lora_scalings,
-                   at::IntArrayRef lora_slices, const std::optional<at::Tensor>& sorted_tokens,
-                   const std::optional<at::Tensor>& seg_starts,
-                   const std::optional<at::Tensor>& seg_slots, const at::Tensor& final_norm,
-                   double final_eps, std::optional<at::Tensor> logits,
-                   const at::Tensor& logits_indices, at::TensorList lm_head,
-                   int64_t lm_head_kind);
 // The projection kinds decode_layers takes, in the order of their numbers.
 std::vector<std::string> decode_layers_kinds();
 int64_t act_group_size();

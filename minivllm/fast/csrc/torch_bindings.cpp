@@ -56,18 +56,7 @@ TORCH_LIBRARY(minivllm, m) {
       "Tensor scales, Tensor mins, str isa='auto') -> ()");
   m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
   m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
-  // The whole decoder layer stack of a decode step, LoRA deltas included (layer_stack.cpp).
-  m.def(
-      "decode_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor input_ids, "
-      "Tensor? embedding, Tensor positions, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor cos_sin_cache, bool is_neox, Tensor[] norms, float[] eps, Tensor[] weights, "
-      "int[] kinds, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, int num_heads, "
-      "int num_kv_heads, int head_dim, float scale, Tensor(e!)[] k_scales, "
-      "Tensor(f!)[] v_scales, Tensor[] lora_a, Tensor[] lora_b, Tensor[] lora_scalings, "
-      "int[] lora_slices, Tensor? sorted_tokens, Tensor? seg_starts, Tensor? seg_slots, "
-      "Tensor final_norm, float final_eps, Tensor(g!)? logits, Tensor logits_indices, "
-      "Tensor[] lm_head, int lm_head_kind) -> ()");
+  // decode_layers and its LayerStackArgs are registered in layer_stack.cpp.
   // decode_layers' projection kinds by name, index = the number `kinds` holds; the
   // activation group of W8A8 / W4A8; the float GEMV's most rows (all three checked
   // against minivllm/fast/linear_kernel.py).
@@ -114,7 +103,6 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("w4a8_linear", &minivllm::w4a8_linear);
   m.impl("dequantize_int8", &minivllm::dequantize_int8);
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
-  m.impl("decode_layers", &minivllm::decode_layers);
   m.impl("apply_token_bitmask", &minivllm::apply_token_bitmask);
   m.impl("argmax_rows", &minivllm::argmax_rows);
   m.impl("add_lora", &minivllm::add_lora);
