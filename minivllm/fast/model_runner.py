@@ -84,7 +84,7 @@ from minivllm.metadata import ModelInput
 from minivllm.profiler import is_recording
 from minivllm.ref import model_runner as _ref
 
-__all__ = ["ModelRunner", "LayerStack", "SUPPORTED_FEATURES"]
+__all__ = ["ModelRunner"]
 
 logger = logging.getLogger("minivllm")
 
