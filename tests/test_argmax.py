@@ -56,7 +56,7 @@ def test_signed_zeros_and_infinities():
 
 def test_a_vocabulary_wide_batch():
     """SmolLM2's vocabulary, 64 rows (the thread team splits them), the maximum planted
-    in the last lane block and in the tail of some rows."""
+    at a row's last element, inside its last 16-lane block and at its first element."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(64, 49152, generator=g)
     x[3, 49151] = x[5, 49140] = x[7, 0] = 100.0

@@ -239,37 +239,19 @@ class LayerStack:
         inner = model.model
         attn = inner.layers[0].self_attn
         self.embed = inner.embed_tokens.forward
-        self.final_norm, self.eps = inner.norm.weight, float(inner.norm.eps)
+        self.final_norm = inner.norm.weight
+        self.vocab_size = model.config.vocab_size
         # The lookup, the final norm and the LM head run in the same C++ call where they
         # qualify (model_runner_rules; else the model's embedding and compute_logits run).
         self.embedding = embedding_table(model, self.final_norm.dtype)
         head = lm_head_kernel(model)
         self.lm_head = None if isinstance(head, str) else head
-        self.lm_head_kind = -1 if self.lm_head is None else kind_numbers()[self.lm_head.kind]
-        self.vocab_size = model.config.vocab_size
-        self.cos_sin_cache = inner.rotary_emb.cos_sin_cache.float().contiguous()
-        self.is_neox = bool(inner.rotary_emb.is_neox_style)
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
         numbers = kind_numbers()  # the C++ layer stack's own numbering
-        self.kinds = [numbers[p.kind] for p in projections]
-        self.weights = [t for p in projections for t in p.tensors]
-        self.norms = [n.weight for l in inner.layers
-                      for n in (l.input_layernorm, l.post_attention_layernorm)]
-        self.norm_eps = [float(n.eps) for l in inner.layers
-                         for n in (l.input_layernorm, l.post_attention_layernorm)]
+        norms = [n for l in inner.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
         # LoRA (minivllm.lora.layers): every projection's stacks, slice by slice, bound once
         # (the manager fills their slots in place); a step passes only its token -> slot map.
         stacks = [lora.stack for _, _, lora in projection_loras(model)] \
             if "lora" in model.features else []
-        self.lora_slices = [len(s.lora_a) for s in stacks]  # per projection: its slices
-        self.lora_a = [t for s in stacks for t in s.lora_a]
-        self.lora_b = [t for s in stacks for t in s.lora_b]
-        self.lora_scalings = [t for s in stacks for t in s.scalings]
-        self.k_caches = [kv[0] for kv in kv_caches]
-        self.v_caches = [kv[1] for kv in kv_caches]
-        # An int8 / fp8 cache's scales, one pair a layer (none for a float cache).
-        self.k_scales = [kv[2] for kv in kv_caches if len(kv) == 4]
-        self.v_scales = [kv[3] for kv in kv_caches if len(kv) == 4]
         # The W8A8 kernels serve any M (max_rows None); the stack saves host overhead,
         # which matters for decode-sized steps, so they get the quantized GEMVs' limit.
         #: Most rows (tokens in a step) for which every projection is a GEMV.
@@ -280,16 +262,23 @@ class LayerStack:
         ops = cpu_ops.ops()
         # The overload itself: skips the OpOverloadPacket lookup on every call.
         self._decode_layers = ops.decode_layers.default
-        # Everything above, bound once into one C++ object (layer_stack.cpp's LayerStackArgs):
-        # a step's call then passes ~500 fewer tensors through the dispatcher.
-        num_heads, num_kv_heads, head_dim, scale = self.shape
-        head = [] if self.lm_head is None else list(self.lm_head.tensors)
+        # Everything a step reads that does not change, bound once into one C++ object
+        # (layer_stack.cpp's LayerStackArgs): a step's call passes ~500 fewer tensors.
         self.bound = torch.classes.minivllm.LayerStackArgs(
-            self.cos_sin_cache, self.is_neox, self.norms, self.norm_eps, self.weights, self.kinds,
-            self.k_caches, self.v_caches, num_heads, num_kv_heads, head_dim, scale,
-            self.k_scales, self.v_scales, self.lora_a, self.lora_b, self.lora_scalings,
-            self.lora_slices, self.embedding, self.final_norm, self.eps, head,
-            self.lm_head_kind)
+            inner.rotary_emb.cos_sin_cache.float().contiguous(),
+            bool(inner.rotary_emb.is_neox_style),
+            [n.weight for n in norms], [float(n.eps) for n in norms],
+            [t for p in projections for t in p.tensors], [numbers[p.kind] for p in projections],
+            [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            # An int8 / fp8 cache's scales, one pair a layer (none for a float cache).
+            [kv[2] for kv in kv_caches if len(kv) == 4], [kv[3] for kv in kv_caches if len(kv) == 4],
+            [t for s in stacks for t in s.lora_a], [t for s in stacks for t in s.lora_b],
+            [t for s in stacks for t in s.scalings],
+            [len(s.lora_a) for s in stacks],  # per projection: its slices
+            self.embedding, self.final_norm, float(inner.norm.eps),
+            [] if self.lm_head is None else list(self.lm_head.tensors),
+            -1 if self.lm_head is None else numbers[self.lm_head.kind])
 
     @classmethod
     def build(cls, model: torch.nn.Module, kv_caches) -> LayerStack | str:
@@ -323,7 +312,6 @@ class LayerStack:
                 return "LoRA stacks missing, or not contiguous in the activations' dtype"
         # The weights into huge pages (Linux): the step streams them with fewer TLB misses.
         hugepages.rehome(model)
-        numbers = kind_numbers()
         projections: list[ProjectionKernel] = []
         for layer in layers:
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -331,8 +319,6 @@ class LayerStack:
                 got = projection_kernel_of(proj)
                 if isinstance(got, str):
                     return got
-                if got.kind not in numbers:
-                    return f"the C++ layer stack has no {got.kind!r} projection"
                 projections.append(got)
         return cls(model, kv_caches, projections)
 

@@ -77,41 +77,41 @@ def components_why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
-def projection_kernel_of(layer: torch.nn.Module) -> ProjectionKernel | str:
-    """The C++ kernel of one projection (:func:`~minivllm.fast.linear_kernel.projection_kernel`,
-    the linear forward's own rule), or why the C++ loop can't run it."""
-    from minivllm.fast import linear as fast_linear
+def _weight_kernel(layer: torch.nn.Module, what: str) -> ProjectionKernel | str:
+    """The C++ kernel that multiplies ``layer``'s weight (:func:`projection_kernel`, the
+    linear forward's own rule), or why the C++ loop can't (``what`` names the layer)."""
     from minivllm.fast import quantization as fast_quantization
 
-    if not isinstance(layer, (fast_linear.ColumnParallelLinear, fast_linear.RowParallelLinear)):
-        return f"{type(layer).__name__} is not the fast linear twin"
     if layer.bias is not None:
-        return "a projection has a bias"
+        return f"{what} has a bias"
     w = layer.weight
     # The model's forward multiplies a quantized weight through the component it carries.
     if isinstance(w, QuantizedWeight) and w.ops is not fast_quantization:
-        return "a quantized weight not served by the fast quantization twin"
-    return projection_kernel(w, getattr(layer, "packed_weight", None))
+        return f"{what}: a quantized weight not served by the fast quantization twin"
+    got = projection_kernel(w, getattr(layer, "packed_weight", None))
+    if not isinstance(got, str) and got.kind not in kind_numbers():
+        return f"the C++ layer stack has no {got.kind!r} projection"
+    return got
+
+
+def projection_kernel_of(layer: torch.nn.Module) -> ProjectionKernel | str:
+    """The C++ kernel of one projection, or why the C++ loop can't run it."""
+    from minivllm.fast import linear as fast_linear
+
+    if not isinstance(layer, (fast_linear.ColumnParallelLinear, fast_linear.RowParallelLinear)):
+        return f"{type(layer).__name__} is not the fast linear twin"
+    return _weight_kernel(layer, "a projection")
 
 
 def lm_head_kernel(model: torch.nn.Module) -> ProjectionKernel | str:
     """The C++ kernel of the model's LM head, or why the stack leaves it to the model's
     ``compute_logits`` (another rank's columns, a bias, a weight the loop cannot multiply)."""
     from minivllm.fast import linear as fast_linear
-    from minivllm.fast import quantization as fast_quantization
 
     head = getattr(model, "lm_head", None)
     if not isinstance(head, fast_linear.ParallelLMHead) or head.tp_size != 1:
         return "not the fast twin's one-rank LM head"
-    if head.bias is not None:
-        return "the LM head has a bias"
-    w = head.weight
-    if isinstance(w, QuantizedWeight) and w.ops is not fast_quantization:
-        return "a quantized LM head not served by the fast quantization twin"
-    got = projection_kernel(w, getattr(head, "packed_weight", None))
-    if not isinstance(got, str) and got.kind not in kind_numbers():
-        return f"the C++ layer stack has no {got.kind!r} projection"
-    return got
+    return _weight_kernel(head, "the LM head")
 
 
 def embedding_table(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor | None:

@@ -25,8 +25,8 @@ on the same values; what changes is how much work surrounds those operations:
 
 It is plain vectorised torch, so it runs fast anywhere (a host component in
 backend terms); on a CPU the greedy pick is one C++ op where the ops are built
-(plain torch where they are not). Stages no row uses are skipped in both twins (their metadata
-tensors are None).
+(plain torch where they are not). Stages no row uses are skipped in both twins
+(their metadata tensors are None).
 """
 
 from __future__ import annotations

@@ -174,8 +174,7 @@ void embed(at::Tensor& residual, const at::Tensor& input_ids, const at::Tensor& 
 // compute_logits does with .float() (exact).
 void lm_head_logits(at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& rows,
                     at::TensorList lm_head, int64_t kind) {
-  const int64_t n = rows.size(0), T = hidden.size(0);
-  TORCH_CHECK(lm_head.size() == TENSORS_PER_PROJECTION, "decode_layers: lm_head: 3 tensors");
+  const int64_t n = rows.size(0), T = hidden.size(0);  // lm_head: checked by LayerStackArgs
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "decode_layers: logits_indices: (n,) int64, contiguous");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
