@@ -147,9 +147,10 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
     // The next tile's rows follow this tile's in memory, and so do its scales and minimums:
     // prefetched while row 0 of x runs (a 4-bit row's scales and minimums are half as many
     // bytes as its integers; read cold by transpose_scales_simd, they stalled the tile).
-    // The rows go to L2 (_MM_HINT_T1): a prefetch into L1 holds one of the core's few L1
-    // fill buffers until memory answers, which capped a core's int8 rows at 75% of its
-    // read bandwidth; into L2 it reached 88% (docs/kernels.md).
+    // The rows go to L2 (_MM_HINT_T1): on the Xeon a prefetch into L1 held one of the
+    // core's few L1 fill buffers until memory answered, which capped a core's int8 rows at
+    // 75% of its read bandwidth; into L2 it reached 88% (docs/kernels.md). On an AMD CPU,
+    // one row of x, they go to L1 where two tiles fit in half of it (next_tile_into_l1).
     const int64_t next_row = std::min<int64_t>(n0 + TILE, p.n - 1);
     const char* next = reinterpret_cast<const char*>(p.w + next_row * p.row_bytes);
     const char* next_s = scale_address(p, p.s, next_row * p.s_groups);
@@ -162,7 +163,12 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
       for (int64_t g = 0; g < p.groups; ++g) {
         if (m == 0) {
           for (int64_t b = 0; b < TILE * GROUP_BYTES; b += 64) {
-            _mm_prefetch(next + g * TILE * GROUP_BYTES + b, _MM_HINT_T1);
+            const char* line = next + g * TILE * GROUP_BYTES + b;
+            if (p.next_into_l1) {  // an AMD CPU, one row of x (run())
+              _mm_prefetch(line, _MM_HINT_T0);
+            } else {
+              _mm_prefetch(line, _MM_HINT_T1);
+            }
           }
           if (g < p.s_groups) _mm_prefetch(next_s + g * TILE * scale_bytes, _MM_HINT_T0);
           if constexpr (INT4) _mm_prefetch(next_m + g * TILE * scale_bytes, _MM_HINT_T0);
