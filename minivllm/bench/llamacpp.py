@@ -1,4 +1,4 @@
-"""llama.cpp as the yardstick: its own batched engine, built from source, on the same weights.
+r"""llama.cpp as the yardstick: its own batched engine, built from source, on the same weights.
 
 ``minivllm bench throughput --compare llamacpp`` runs llama.cpp's own
 benchmark tools, ``llama-batched-bench`` (B sequences decoded together, as
