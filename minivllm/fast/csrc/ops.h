@@ -25,6 +25,10 @@
 #include <string_view>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>  // sysconf: the L1's size (prefetch_into_l1)
+#endif
+
 namespace minivllm {
 
 // Input features per activation scale of W8A8 / W4A8 (quant_w8a8.cpp quantizes with it,
@@ -48,6 +52,32 @@ constexpr int64_t GRAIN_ELEMENTS = 32768;
 // The parallel_for grain for items of `per_item` elements each.
 inline int64_t grain_for(int64_t per_item) {
   return std::max<int64_t>(1, GRAIN_ELEMENTS / std::max<int64_t>(1, per_item));
+}
+
+// Where a kernel that streams weights prefetches a block ahead: into L2 (_MM_HINT_T1), or
+// into L1 (_MM_HINT_T0) where this returns true: on an AMD CPU, for a block and the next
+// together of `bytes`, if they fit in half of the core's L1 data cache (the vendor and
+// L1's size are read once). The W8A8 tiles at one row of x ask it (quant_w8a8.cpp). On
+// the Xeon a prefetch into L1 held one of the core's few L1 fill buffers until memory
+// answered, and L2 read int8 rows at 88% of the read bandwidth against 75%; on a Zen 4
+// EPYC L1 made a batch-1 gguf step about 10% faster, and int8's down projection (two
+// tiles of 1536-byte rows: 24 KB of its 32 KB L1) 15% slower (docs/kernels.md, "The
+// decode-shaped linear").
+inline bool prefetch_into_l1(int64_t bytes) {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && defined(_SC_LEVEL1_DCACHE_SIZE)
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  static const int64_t l1 = [] {
+    const long size = sysconf(_SC_LEVEL1_DCACHE_SIZE);  // 0 where the system does not say
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{32 * 1024};
+  }();
+  return amd && bytes <= l1 / 2;
+#else
+  (void)bytes;
+  return false;
+#endif
 }
 
 // Dispatch on float32 / float16 / bfloat16 (scalar_t inside the lambda).

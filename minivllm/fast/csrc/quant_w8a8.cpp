@@ -55,7 +55,6 @@
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
 #include <immintrin.h>
-#include <unistd.h>  // sysconf: the L1's size
 #define MINIVLLM_W8A8_X86 1
 #else
 #define MINIVLLM_W8A8_X86 0
@@ -86,64 +85,7 @@ constexpr int64_t TILE = 8;    // weight rows per tile (the lanes of a float vec
 // Rows of x from which an ISA's GEMM (weights repacked to VNNI's layout) replaces the tiles.
 constexpr int64_t GEMM_MIN_ROWS = 8;
 
-// One W8A8 matmul: what every tile reads and writes.
-struct W8A8Problem {
-  const int8_t* qx;      // (m, k) int8 activations
-  const float* xs;       // (m, groups) s_x
-  const float* xsum;     // (m, groups) sum_x (4-bit weights only)
-  int64_t m, k, groups;  // groups = k / 32
-  const uint8_t* w;      // the weight's integers: row r at w + r * row_bytes
-  int64_t row_bytes;     // k (int8) or k / 2 (4-bit)
-  const void* s;         // (n, s_groups) s_w or d: float32, or float16 (half_scales)
-  const void* mn;        // (n, groups) m_w (4-bit weights only), the same dtype
-  int64_t s_groups;      // scales per weight row (int8: one per 32 * (groups / s_groups))
-  int64_t n;
-  float* y;              // (m, n) float32
-  bool half_scales;      // s and mn are float16, as a GGUF's blocks store them
-  bool next_into_l1 = false;  // a tile prefetches the next one into L1, not L2 (run())
-};
-
-// Scale (or minimum) i of `base` as a float32: a float16 converts exactly, so a weight
-// whose scales are stored in float16 gives the bits of the same scales in float32.
-inline float scale_at(const W8A8Problem& p, const void* base, int64_t i) {
-  return p.half_scales ? static_cast<float>(static_cast<const at::Half*>(base)[i])
-                       : static_cast<const float*>(base)[i];
-}
-
-// Where scale (or minimum) i of `base` is, for a prefetch.
-inline const char* scale_address(const W8A8Problem& p, const void* base, int64_t i) {
-  return static_cast<const char*>(base) + i * (p.half_scales ? 2 : 4);
-}
-
-// The weight rows of a tile: n0 .. n0 + nb - 1, padded to TILE by repeating the last (its
-// lanes are computed and dropped).
-inline int64_t tile_row(int64_t n0, int64_t nb, int64_t j) {
-  return n0 + std::min<int64_t>(j, nb - 1);
-}
-
-// The tile's scales, transposed: sw[g * TILE + j] is row j's scale for activation group g,
-// mw the same for the minimums. A weight with one scale a row (int8 per channel) stores
-// one vector (scale_stride() = 0: every group reads it).
-void transpose_scales(const W8A8Problem& p, int64_t n0, int64_t nb, float* sw, float* mw) {
-  const int64_t per_scale = p.groups / p.s_groups;  // activation groups per weight scale
-  for (int64_t j = 0; j < TILE; ++j) {
-    const int64_t r = tile_row(n0, nb, j);
-    if (p.s_groups == 1) {
-      sw[j] = scale_at(p, p.s, r);
-    } else {  // (no division by per_scale per element: an integer division costs ~40 cycles)
-      for (int64_t gw = 0; gw < p.s_groups; ++gw) {
-        const float s = scale_at(p, p.s, r * p.s_groups + gw);
-        for (int64_t c = 0; c < per_scale; ++c) sw[(gw * per_scale + c) * TILE + j] = s;
-      }
-    }
-    if (mw != nullptr) {
-      for (int64_t g = 0; g < p.groups; ++g) mw[g * TILE + j] = scale_at(p, p.mn, r * p.groups + g);
-    }
-  }
-}
-
-// Floats between one group's vector of transposed scales and the next.
-inline int64_t scale_stride(const W8A8Problem& p) { return p.s_groups == 1 ? 0 : TILE; }
+#include "quant_w8a8_problem.h"  // W8A8Problem, its scales, a tile's rows
 
 // A 4-bit row as one byte a weight, in order (byte j of a group holds weights j and j + 16).
 void unpack_row4(const uint8_t* src, int64_t k, uint8_t* dst) {
@@ -305,30 +247,6 @@ const IsaEntry& find_isa(std::string_view name) {
               std::string(name), "'");
 }
 
-// Where a tile prefetches the next tile's rows, at one row of x: into L2 (_MM_HINT_T1), or
-// on an AMD CPU into L1 (_MM_HINT_T0) where both tiles fit in half of it. Each was measured
-// (docs/kernels.md, "Prefetching the next tile"): on the Xeon, a prefetch into L1 held one of
-// the core's few L1 fill buffers until memory answered, and L2 read int8 rows at 88% of the
-// read bandwidth against 75%; on a Zen 4 EPYC the rows that went to L2 waited there, and L1
-// made a batch-1 gguf step 10% faster, while int8's down projection (two tiles of 1536-byte
-// rows: 24 KB of a 32 KB L1) was 15% slower in L1 and stays in L2.
-bool next_tile_into_l1(const W8A8Problem& p) {
-#if MINIVLLM_W8A8_X86
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  static const int64_t l1 = [] {
-    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);  // 0 where the system does not say
-    return bytes > 0 ? static_cast<int64_t>(bytes) : int64_t{32 * 1024};
-  }();
-  return amd && p.m == 1 && 2 * TILE * p.row_bytes <= l1 / 2;
-#else
-  (void)p;
-  return false;
-#endif
-}
-
 // y = the problem's product: the GEMM for many rows of x, else tiles of TILE weight rows,
 // run revocably (thread_team.h: the caller may rerun a late helper's chunk): a chunk
 // multiplies its weight rows as a problem of its own into its own buffer, and copies that
@@ -346,7 +264,8 @@ void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm, std::vector<at::Tenso
     std::vector<at::Tensor> keep;
   };
   auto job = std::make_shared<Job>(Job{p, tiles, std::move(keep)});
-  job->p.next_into_l1 = next_tile_into_l1(p);
+  // One row of x: a tile prefetches the next into L1 where prefetch_into_l1 says (ops.h).
+  job->p.next_into_l1 = p.m == 1 && prefetch_into_l1(2 * TILE * p.row_bytes);
   const int64_t count = (p.n + TILE - 1) / TILE;
   parallel_for_revocable(0, count, grain_for(TILE * p.k * p.m), [job](int64_t t0, int64_t t1) {
     const W8A8Problem& p = job->p;

@@ -106,7 +106,7 @@ void tiles_one_row(const W8A8Problem& p, int64_t t0, int64_t t1) {
                              INT4 ? p.xsum[g] : 0.f);
     };
     for (int64_t q = 0; q < blocks; ++q) {
-      for (int64_t b = 0; b < TILE * PER * GROUP_BYTES; b += 64) {  // L1 or L2: see run()
+      for (int64_t b = 0; b < TILE * PER * GROUP_BYTES; b += 64) {  // L1 or L2: run() says
         const char* line = next + q * TILE * PER * GROUP_BYTES + b;
         if (p.next_into_l1) {
           _mm_prefetch(line, _MM_HINT_T0);

@@ -150,7 +150,7 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
     // The rows go to L2 (_MM_HINT_T1): on the Xeon a prefetch into L1 held one of the
     // core's few L1 fill buffers until memory answered, which capped a core's int8 rows at
     // 75% of its read bandwidth; into L2 it reached 88% (docs/kernels.md). On an AMD CPU,
-    // one row of x, they go to L1 where two tiles fit in half of it (next_tile_into_l1).
+    // one row of x, they go to L1 where two tiles fit in half of it (prefetch_into_l1, ops.h).
     const int64_t next_row = std::min<int64_t>(n0 + TILE, p.n - 1);
     const char* next = reinterpret_cast<const char*>(p.w + next_row * p.row_bytes);
     const char* next_s = scale_address(p, p.s, next_row * p.s_groups);
