@@ -13,13 +13,11 @@ and LM head) is pointed at the new one, so nothing is duplicated and no value
 changes. One arena, because glibc serves an allocation below its mmap
 threshold (which grows to 32 MiB as large blocks are freed) from memory it has
 touched already, whose 4 KiB pages it keeps: with an allocation per weight of
-2 MiB or more, a float32 SmolLM2 process had 408-432 MB in huge pages and an
+2 MiB or more, a float32 SmolLM2 process had 378-482 MB in huge pages and an
 int8 one 82 MB (none of its projections, all under 2 MiB); with one arena 516
-and 184 MB. On the Zen 4 EPYC of docs/kernels.md that made a batch-1 step 15%
-faster in float32 (15.7 against 18.5 ms), 13% in gguf (5.96 against 6.85) and
-6% in int8 (6.71 against 7.15): medians of 8 steps' medians, two processes of
-each alternated. (The allocation per weight had made float32 about 10% faster
-on the AVX2 EPYC.)
+and 184 MB. On the Zen 4 EPYC of docs/kernels.md that made a batch-1 step 6%
+faster in int8 and 14% in gguf (in every alternated pair of processes); bfloat16
+was the same, and float32's steps came in two modes per process either way.
 
 The fast model runner calls it once per model on a CPU (the ref twin leaves the
 weights where the loader put them). Where huge pages are off (``never``) or
