@@ -59,7 +59,7 @@ inline int64_t grain_for(int64_t per_item) {
 // together of `bytes`, if they fit in half of the core's L1 data cache (the vendor and
 // L1's size are read once). The W8A8 tiles at one row of x ask it (quant_w8a8.cpp). On
 // the Xeon a prefetch into L1 held one of the core's few L1 fill buffers until memory
-// answered, and L2 read int8 rows at 88% of the read bandwidth against 75%; on a Zen 4
+// answered, and L2 read a core's int8 rows at 88% of its read bandwidth against 75%; on a Zen 4
 // EPYC L1 made a batch-1 gguf step about 10% faster, and int8's down projection (two
 // tiles of 1536-byte rows: 24 KB of its 32 KB L1) 15% slower (docs/kernels.md, "The
 // decode-shaped linear").

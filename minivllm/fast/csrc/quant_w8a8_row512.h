@@ -91,7 +91,7 @@ void tiles_one_row(const W8A8Problem& p, int64_t t0, int64_t t1) {
     transpose_scales_simd(p, n0, nb, sw.data(), INT4 ? mw.data() : nullptr);
     const uint8_t* w[TILE];
     for (int64_t j = 0; j < TILE; ++j) w[j] = p.w + tile_row(n0, nb, j) * p.row_bytes;
-    // The next tile, as tiles() prefetches it: its rows into L2, its scales into L1.
+    // The next tile, as tiles() prefetches it: its rows (prefetch_next_tile), its scales into L1.
     const int64_t next_row = std::min<int64_t>(n0 + TILE, p.n - 1);
     const char* next = reinterpret_cast<const char*>(p.w + next_row * p.row_bytes);
     for (int64_t b = 0; b < TILE * p.s_groups * scale_bytes; b += 64) {
@@ -106,13 +106,8 @@ void tiles_one_row(const W8A8Problem& p, int64_t t0, int64_t t1) {
                              INT4 ? p.xsum[g] : 0.f);
     };
     for (int64_t q = 0; q < blocks; ++q) {
-      for (int64_t b = 0; b < TILE * PER * GROUP_BYTES; b += 64) {  // L1 or L2: run() says
-        const char* line = next + q * TILE * PER * GROUP_BYTES + b;
-        if (p.next_into_l1) {
-          _mm_prefetch(line, _MM_HINT_T0);
-        } else {
-          _mm_prefetch(line, _MM_HINT_T1);
-        }
+      for (int64_t b = 0; b < TILE * PER * GROUP_BYTES; b += 64) {
+        prefetch_next_tile(p, next + q * TILE * PER * GROUP_BYTES + b);
       }
       __m512i v[TILE];
       if constexpr (INT4) {

@@ -6,6 +6,16 @@
 //   __m256i dot_u8s8(__m256i a, __m256i b)   // lane i: sum_{c < 4} a[4i + c] * b[4i + c]
 // (a unsigned, b signed bytes). Hence no include guard, on purpose.
 
+// A line of the next tile's rows, prefetched into L2, or into L1 where run() set
+// next_into_l1 (ops.h's prefetch_into_l1 says why each).
+inline void prefetch_next_tile(const W8A8Problem& p, const char* line) {
+  if (p.next_into_l1) {
+    _mm_prefetch(line, _MM_HINT_T0);
+  } else {
+    _mm_prefetch(line, _MM_HINT_T1);
+  }
+}
+
 // Lane j of the result: the sum of v[j]'s 8 int32 lanes (exact: integers). Two rounds of
 // horizontal adds leave each v[j]'s sum in two halves (lanes 0-3 and 4-7), one per
 // 128-bit half; a cross-half add finishes.
@@ -147,10 +157,7 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
     // The next tile's rows follow this tile's in memory, and so do its scales and minimums:
     // prefetched while row 0 of x runs (a 4-bit row's scales and minimums are half as many
     // bytes as its integers; read cold by transpose_scales_simd, they stalled the tile).
-    // The rows go to L2 (_MM_HINT_T1): on the Xeon a prefetch into L1 held one of the
-    // core's few L1 fill buffers until memory answered, which capped a core's int8 rows at
-    // 75% of its read bandwidth; into L2 it reached 88% (docs/kernels.md). On an AMD CPU,
-    // one row of x, they go to L1 where two tiles fit in half of it (prefetch_into_l1, ops.h).
+    // The rows go to L2, or on an AMD CPU at one row of x to L1 (prefetch_next_tile).
     const int64_t next_row = std::min<int64_t>(n0 + TILE, p.n - 1);
     const char* next = reinterpret_cast<const char*>(p.w + next_row * p.row_bytes);
     const char* next_s = scale_address(p, p.s, next_row * p.s_groups);
@@ -163,12 +170,7 @@ void tiles(const W8A8Problem& p, int64_t t0, int64_t t1) {
       for (int64_t g = 0; g < p.groups; ++g) {
         if (m == 0) {
           for (int64_t b = 0; b < TILE * GROUP_BYTES; b += 64) {
-            const char* line = next + g * TILE * GROUP_BYTES + b;
-            if (p.next_into_l1) {  // an AMD CPU, one row of x (run())
-              _mm_prefetch(line, _MM_HINT_T0);
-            } else {
-              _mm_prefetch(line, _MM_HINT_T1);
-            }
+            prefetch_next_tile(p, next + g * TILE * GROUP_BYTES + b);
           }
           if (g < p.s_groups) _mm_prefetch(next_s + g * TILE * scale_bytes, _MM_HINT_T0);
           if constexpr (INT4) _mm_prefetch(next_m + g * TILE * scale_bytes, _MM_HINT_T0);
