@@ -104,10 +104,12 @@ def test_projection_kernel_hands_over_the_weights_own_tensors() -> None:
     weights = _weights()
     w, int8, int4 = weights["float32"], weights["int8"], weights["int4"]
     assert all(t is w for t in projection_kernel(w).tensors)
-    q, s, m = projection_kernel(int4).tensors
-    assert q is int4.qweight and s is int4.scales and m is int4.mins
-    q, s, second = projection_kernel(int8).tensors
-    assert q is int8.qweight and s is int8.scales and second is int8.scales
+    q, s, m, packed = projection_kernel(int4).tensors  # no copy: the qweight again
+    assert q is int4.qweight and s is int4.scales and m is int4.mins and packed is q
+    q, s, second, placeholder = projection_kernel(int8).tensors
+    assert q is int8.qweight and s is int8.scales and second is int8.scales and placeholder is q
+    copy = torch.empty(1, 1, 640, dtype=torch.uint8)  # a W4A8 weight's prepacked copy
+    assert projection_kernel(int4, copy).tensors[3] is copy
 
 
 @pytest.mark.parametrize("case", ["int8", "int4", "int8 act", "int8 fp16 scales"])

@@ -307,14 +307,16 @@ MATCHING = MappingProxyType({"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a batch-1 decode step reads: every weight once, the embedding table
-    only where it is also the LM head (one row of it is read otherwise)."""
+    only where it is also the LM head (one row of it is read otherwise). A weight with a
+    prepacked copy counts once, as stored (the copy holds the same bytes, in another order,
+    with rows padded to a panel's)."""
     from minivllm.fast.model_runner_hugepages import weight_tensors
 
     embed = model.model.embed_tokens.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     tied = isinstance(head, torch.Tensor) and head.data_ptr() == embed.data_ptr()
     seen = {}  # data pointer -> bytes: a tied weight counts once
-    for t in weight_tensors(model, buffers=False):
+    for t in weight_tensors(model, buffers=False, packed=False):
         if t.data_ptr() == embed.data_ptr() and not tied:
             continue
         seen[t.data_ptr()] = t.nbytes

@@ -52,11 +52,14 @@ class ProjectionKernel:
 
     Attributes:
         kind: one of :data:`KINDS`.
-        tensors: ``(weight, weight, weight)`` for a float weight (``(weight, panels,
-            weight)`` with panels), ``(qweight,
-            scales, scales)`` for int8 and ``(qweight, scales, mins)`` for
-            int4: three a projection, as the layer stack packs them (the
-            repeats are placeholders its kernels do not read).
+        tensors: ``(weight, weight, weight, weight)`` for a float weight
+            (``(weight, panels, weight, weight)`` with panels), ``(qweight, scales,
+            scales, packed)`` for int8 and ``(qweight, scales, mins, packed)`` for
+            int4 (``packed``: with int8 activations, the weight prepacked for one row
+            of ``x`` by :func:`~minivllm.fast.linear_prepack.prepack_w8a8` /
+            :func:`~minivllm.fast.linear_prepack.prepack_w4a8`, where the layer has it;
+            else ``qweight`` again): four a projection, as the layer stack packs them
+            (the repeats are placeholders its kernels do not read).
         max_rows: rows of ``x`` up to which this kernel beats the GEMM path
             (dequantize, or the float weight as it is, then ``F.linear``); None
             where the kernel serves any number of rows (W8A8 / W4A8: the integer
@@ -64,7 +67,7 @@ class ProjectionKernel:
     """
 
     kind: str
-    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     max_rows: int | None
 
 
@@ -72,7 +75,8 @@ def projection_kernel(weight: torch.Tensor | QuantizedWeight,
                       packed: PanelWeight | torch.Tensor | None = None) -> ProjectionKernel | str:
     """The :class:`ProjectionKernel` that multiplies ``weight``, or why none does (a string).
 
-    ``packed``: the layer's prepacked copy (:func:`~minivllm.fast.linear_prepack.prepack_weight`).
+    ``packed``: the layer's prepacked copy (:func:`~minivllm.fast.linear_prepack.prepack_weight`;
+    for a W4A8 weight, the copy one row of ``x`` reads in the layer stack).
     A float32 weight with :class:`~minivllm.fast.linear_prepack.PanelWeight` panels runs
     the GEMV up to :data:`FLOAT_GEMV_MAX_ROWS` rows and the panel GEMM above, to
     :data:`~minivllm.fast.linear_prepack.PANEL_MAX_ROWS` (the layer stack's rule, and the
@@ -93,7 +97,8 @@ def projection_kernel(weight: torch.Tensor | QuantizedWeight,
         if q.device.type != "cpu" or not cpu_ops.available():
             return "a quantized weight off the CPU or without the C++ ops"
         second = weight.scales if weight.method == "int8" else weight.mins
-        tensors = (q, weight.scales, second)
+        prepacked = packed if isinstance(packed, torch.Tensor) else q
+        tensors = (q, weight.scales, second, prepacked)
         if weight.activations == "int8":  # integer dot products, any number of rows
             return ProjectionKernel("w8a8" if weight.method == "int8" else "w4a8", tensors, None)
         if weight.scales.dtype != torch.float32:  # the W8A16 / W4A16 kernels read float32
@@ -108,8 +113,8 @@ def projection_kernel(weight: torch.Tensor | QuantizedWeight,
     if not cpu_ops.available():
         return "the C++ ops did not build"
     if isinstance(packed, PanelWeight):  # the GEMV, then the panel GEMM above its rows
-        return ProjectionKernel("float", (weight, packed.panels, weight), PANEL_MAX_ROWS)
-    return ProjectionKernel("float", (weight, weight, weight), FLOAT_GEMV_MAX_ROWS)
+        return ProjectionKernel("float", (weight, packed.panels, weight, weight), PANEL_MAX_ROWS)
+    return ProjectionKernel("float", (weight, weight, weight, weight), FLOAT_GEMV_MAX_ROWS)
 
 
 def kind_numbers() -> dict[str, int]:

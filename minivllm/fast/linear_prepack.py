@@ -15,7 +15,13 @@ once at load. Two kinds of copy:
   through :func:`packed_rows`, so that the process does not keep a compiled GEMM for
   every count it ever met (docs/serving.md, "Memory over time").
 
-Tested in ``tests/test_prepack.py`` and ``tests/test_memory_growth.py``.
+A W8A8 or W4A8 weight (int8 or 4-bit, int8 activations) on a CPU with
+AVX512-VNNI gets a copy of its own, :func:`prepack_w8a8` / :func:`prepack_w4a8`:
+panels of 32 rows in the order ``vpdpbusd`` reads them, which the C++ layer stack
+multiplies one row of ``x`` by without the shuffles the stored layout needs
+(``csrc/quant_w8a8_prepacked.h``).
+
+Tested in ``tests/test_prepack.py``, ``tests/test_w8a8.py`` and ``tests/test_memory_growth.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from minivllm.quantized_weight import QuantizedWeight
 
 #: The most token rows one oneDNN call takes; more run in chunks of this many (within
 #: 4% of one call for 700-4096 rows, and 5-12% ahead of ``F.linear``, on the EPYC).
@@ -35,6 +43,10 @@ PACKED_CHUNK_ROWS = 512
 #: took 26 / 52 / 99 / 201 ms at 24 / 64 / 128 / 256 rows against oneDNN's prepacked
 #: 41 / 72 / 113 / 199 and ``F.linear``'s 205 at 256; at 512 rows 404 against 371 / 374.
 PANEL_MAX_ROWS = 256
+
+#: Weight rows a panel of :func:`prepack_w8a8` / :func:`prepack_w4a8`'s copies holds
+#: (``PANEL`` in ``csrc/quant_w8a8_gemm.h``: two vectors of 16 int32 lanes).
+PREPACKED_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -135,9 +147,16 @@ def prepack_weight(weight, panels: bool = True) -> PanelWeight | torch.Tensor | 
     of the call. Done once at load it is not repeated (vLLM's CPU backend prepacks
     its oneDNN weights the same way), at the cost of a second copy of each float
     weight: the small-M GEMV reads the plain one. ``EngineConfig.prepack=False``
-    (``$MINIVLLM_PREPACK=0``) turns it off; quantized weights and CUDA are never
-    packed, nor is anything on a torch without oneDNN but the panels.
+    (``$MINIVLLM_PREPACK=0``) turns it off; CUDA is never packed, nor is anything on a
+    torch without oneDNN but the panels.
+
+    An int8 or 4-bit weight with int8 activations (W8A8, W4A8), multiplied by the fast
+    twin on a CPU with AVX512-VNNI, gets :func:`prepack_w8a8` / :func:`prepack_w4a8`'s
+    copy: the C++ layer stack reads it for one row of ``x`` (a batch-1 decode step);
+    other steps read the weight as stored.
     """
+    if isinstance(weight, QuantizedWeight):
+        return _prepack_quantized(weight)
     if (not isinstance(weight, torch.Tensor)
             or weight.device.type != "cpu" or weight.dim() != 2
             or weight.dtype not in (torch.float32, torch.bfloat16)):
@@ -150,6 +169,21 @@ def prepack_weight(weight, panels: bool = True) -> PanelWeight | torch.Tensor | 
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None  # oneDNN's bf16 GEMM needs AVX-512 (or AVX-NE-CONVERT)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def _prepack_quantized(weight: QuantizedWeight) -> torch.Tensor | None:
+    """:func:`prepack_w8a8` / :func:`prepack_w4a8`'s copy of a weight with int8 activations
+    that the C++ ops multiply; else None."""
+    from minivllm.fast import cpu_ops
+    from minivllm.fast import quantization as fast_quantization
+
+    if (weight.activations != "int8" or weight.qweight.dim() != 2
+            or weight.qweight.device.type != "cpu" or weight.ops is not fast_quantization
+            or cpu_ops.build()[0] is None or not cpu_ops.ops().w8a8_prepacked_available()):
+        return None
+    if weight.method == "int8":
+        return prepack_w8a8(weight.qweight, weight.scales)
+    return prepack_w4a8(weight.qweight, weight.scales, weight.mins)
 
 
 def _panel_width() -> int:
@@ -174,3 +208,50 @@ class Prepacked:
         ``prepack=False`` (``EngineConfig.prepack``) keeps no packed copy.
         """
         self.packed_weight = prepack_weight(self.weight) if prepack else None
+
+
+def _panel_rows(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """``t`` with zero rows to ``panels`` panels of :data:`PREPACKED_ROWS` rows."""
+    out = t.new_zeros((panels * PREPACKED_ROWS, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def prepack_w8a8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An int8 weight in the layout ``w8a8_linear_prepacked`` reads one row of ``x`` by.
+
+    ``qweight`` ``(N, K)`` int8, ``scales`` ``(N, G)`` (G divides ``K / 32``), float32 or
+    float16. Returns ``(ceil(N / 32), bytes)`` uint8: panels of 32 weight rows (zero
+    rows pad the last), each its rows' scales, scale group after scale group (32 side
+    by side), then every group of 32 input features as its rows' bytes plus 128
+    (unsigned), 4 at a time (a 32-bit word of each row, row after row).
+    """
+    n, k = qweight.shape
+    panels, groups = -(-n // PREPACKED_ROWS), k // 32
+    s = _panel_rows(scales.contiguous(), panels).view(panels, PREPACKED_ROWS, -1).transpose(1, 2)
+    unsigned = (qweight.contiguous().view(torch.uint8) ^ 0x80)  # w + 128, as a byte
+    words = _panel_rows(unsigned, panels).view(torch.int32)  # (P * 32, K / 4): 8 a group
+    words = words.view(panels, PREPACKED_ROWS, groups, 8).permute(0, 2, 3, 1)
+    return torch.cat([s.contiguous().view(torch.uint8).view(panels, -1),
+                      words.contiguous().view(torch.uint8).view(panels, -1)], dim=1)
+
+
+def prepack_w4a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """A 4-bit weight in the layout ``w4a8_linear_prepacked`` reads one row of ``x`` by.
+
+    ``qweight`` ``(N, K / 2)`` (byte ``l`` of a group holds its weights ``l`` and
+    ``l + 16``), ``scales`` and ``mins`` ``(N, K / 32)``, both float32 or both float16.
+    Returns ``(ceil(N / 32), K / 32, bytes)`` uint8: panels of 32 weight rows (zero rows
+    pad the last), each group as its 32 rows' bytes, 4 at a time (a 32-bit word of each
+    row, row after row: the order ``vpdpbusd`` reads), then their 32 scales and 32
+    minimums (``csrc/quant_w8a8_prepacked.h``).
+    """
+    rows, groups = PREPACKED_ROWS, scales.shape[1]
+    panels = -(-qweight.shape[0] // rows)
+    words = _panel_rows(qweight.contiguous(), panels).view(torch.int32)  # (P * 32, K / 8)
+    words = words.view(panels, rows, groups, 4).permute(0, 2, 3, 1)  # (P, G, word, row)
+    per_group = [words.contiguous().view(torch.uint8).view(panels, groups, -1)]
+    for t in (scales, mins):  # (P, G, row): a group's 32 values side by side
+        t = _panel_rows(t.contiguous(), panels).view(panels, rows, groups).transpose(1, 2)
+        per_group.append(t.contiguous().view(torch.uint8).view(panels, groups, -1))
+    return torch.cat(per_group, dim=2).contiguous()

@@ -246,6 +246,8 @@ class LayerStack:
         self.embedding = embedding_table(model, self.final_norm.dtype)
         head = lm_head_kernel(model)
         self.lm_head = None if isinstance(head, str) else head
+        #: Each projection's kernel and tensors, in the order the C++ object binds them.
+        self.projections = tuple(projections)
         numbers = kind_numbers()  # the C++ layer stack's own numbering
         norms = [n for l in inner.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
         # LoRA (minivllm.lora.layers): every projection's stacks, slice by slice, bound once

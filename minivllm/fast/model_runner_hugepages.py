@@ -72,14 +72,21 @@ def _advised_storage(nbytes: int) -> tuple[torch.UntypedStorage, int]:
     return raw.untyped_storage(), offset
 
 
-def weight_tensors(model: torch.nn.Module, buffers: bool = True) -> list[torch.Tensor]:
-    """Every parameter, quantized weight's tensor and (with ``buffers``) buffer of ``model``."""
+def weight_tensors(model: torch.nn.Module, buffers: bool = True,
+                   packed: bool = True) -> list[torch.Tensor]:
+    """Every parameter, quantized weight's tensor and (with ``buffers``) buffer of ``model``;
+    with ``packed``, also the prepacked copy of each quantized weight that has one
+    (``packed_weight``: a batch-1 step reads it instead of the weight as stored)."""
     out = list(model.parameters()) + (list(model.buffers()) if buffers else [])
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, QuantizedWeight):
                 out += [t for t in (value.qweight, value.scales, value.mins)
                         if isinstance(t, torch.Tensor)]
+        copy = getattr(module, "packed_weight", None)
+        if (packed and isinstance(copy, torch.Tensor)
+                and isinstance(getattr(module, "weight", None), QuantizedWeight)):
+            out.append(copy)
     return out
 
 

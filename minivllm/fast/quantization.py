@@ -108,7 +108,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     if x.shape[-1] != k:
         raise ValueError(f"x must have K = {k} features, got shape {tuple(x.shape)}")
     rows = x.reshape(-1, k)  # (M, K)
-    qweight, scales, second = kernel.tensors  # second: int4's mins (int8: scales again)
+    qweight, scales, second, _ = kernel.tensors  # second: int4's mins (int8: scales again)
     if kernel.kind in ("w8a8", "w4a8"):  # integer dot products, any M
         acts = quantize_activations(rows)
         y = (w8a8_matmul(acts, qweight, scales) if kernel.kind == "w8a8"

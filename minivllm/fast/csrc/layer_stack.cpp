@@ -61,12 +61,13 @@ enum Kind : int64_t {
                  // (P, K, width) where it has them, else the weight again
   INT8_WEIGHT,   // "w8a16": qweight int8 (N, K), scales (N, G)
   INT4_WEIGHT,   // "w4a16": qweight uint8 (N, K / 2), scales and mins (N, K / 32)
-  INT8_W8A8,     // "w8a8": w8a16's tensors; int8 activations
-  INT4_W4A8,     // "w4a8": w4a16's tensors; int8 activations
+  INT8_W8A8,     // "w8a8": w8a16's tensors; int8 activations; then its prepacked copy
+                 // (prepack_w8a8: one row of x reads it) where it has one, else qweight
+  INT4_W4A8,     // "w4a8": w4a16's tensors; int8 activations; then its copy (prepack_w4a8)
   NUM_KINDS
 };
 constexpr const char* KIND_NAMES[NUM_KINDS] = {"float", "w8a16", "w4a16", "w8a8", "w4a8"};
-constexpr int64_t TENSORS_PER_PROJECTION = 3;  // weight or qweight, scales, mins
+constexpr int64_t TENSORS_PER_PROJECTION = 4;  // weight or qweight, scales, mins, packed
 constexpr int64_t PROJECTIONS_PER_LAYER = 4;   // qkv, o, gate_up, down
 
 // A quantized projection's buffers, made at its first layer and reused by the others (every
@@ -117,7 +118,12 @@ void project(at::Tensor& y, const at::Tensor& x, int64_t kind, const at::Tensor*
       s.xsum = at::empty({m, groups}, x.options().dtype(at::kFloat));
     }
     quantize_activations_int8(s.qx, s.xs, s.xsum, x, "auto");
-    if (kind == INT8_W8A8) {
+    const bool prepacked = x.size(0) == 1 && !t[3].is_same(t[0]);  // a copy made at load
+    if (prepacked && kind == INT8_W8A8) {
+      w8a8_linear_prepacked(out, s.qx, s.xs, t[3], t[1]);
+    } else if (prepacked) {
+      w4a8_linear_prepacked(out, s.qx, s.xs, s.xsum, t[3]);
+    } else if (kind == INT8_W8A8) {
       w8a8_linear(out, s.qx, s.xs, t[0], t[1], "auto");
     } else {
       w4a8_linear(out, s.qx, s.xs, s.xsum, t[0], t[1], t[2], "auto");
@@ -226,7 +232,7 @@ struct LayerStackArgs : torch::CustomClassHolder {
   std::optional<at::Tensor> embedding;            // None: the caller fills `residual`
   at::Tensor final_norm;
   double final_eps;
-  std::vector<at::Tensor> lm_head;  // none, or its projection's 3 tensors
+  std::vector<at::Tensor> lm_head;  // none, or its projection's 4 tensors
   int64_t lm_head_kind;
 
   LayerStackArgs(at::Tensor cos_sin_cache_, bool is_neox_, std::vector<at::Tensor> norms_,
@@ -279,10 +285,10 @@ LayerStackArgs::LayerStackArgs(
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == PROJECTIONS_PER_LAYER * L &&
                   static_cast<int64_t>(weights.size()) ==
                       TENSORS_PER_PROJECTION * PROJECTIONS_PER_LAYER * L,
-              "decode_layers: 4 projections a layer, 3 tensors each");
+              "decode_layers: 4 projections a layer, 4 tensors each");
   TORCH_CHECK(lm_head.empty() || (lm_head.size() == TENSORS_PER_PROJECTION &&
                                   lm_head_kind >= 0 && lm_head_kind < NUM_KINDS),
-              "decode_layers: lm_head: none, or 3 tensors and a kind");
+              "decode_layers: lm_head: none, or 4 tensors and a kind");
   if (!lora_slices.empty()) {  // stacks bound: one entry a projection, its slices in order
     TORCH_CHECK(static_cast<int64_t>(lora_slices.size()) == PROJECTIONS_PER_LAYER * L,
                 "decode_layers: lora_slices: 4 per layer");

@@ -191,6 +191,13 @@ void w8a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
 void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
                  const at::Tensor& x_sums, const at::Tensor& qweight, const at::Tensor& scales,
                  const at::Tensor& mins, std::string_view isa);
+// One row of x times an int8 or 4-bit weight prepacked at load (quant_w8a8_prepacked.h),
+// where the CPU has AVX512-VNNI (w8a8_prepacked_available). `scales`: the weight's own.
+bool w8a8_prepacked_available();
+void w8a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                           const at::Tensor& packed, const at::Tensor& scales);
+void w4a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                           const at::Tensor& x_sums, const at::Tensor& packed);
 void dequantize_int8(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales);
 void dequantize_int4(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& mins);

@@ -42,6 +42,8 @@
 //   the same scales in float32, and a batch-1 step reads 2 bytes a group less per row.
 // - Threads take whole tiles (parallel_for_revocable, thread_team.h: the caller may rerun
 //   a late helper's chunk), so each weight byte is read once (twice for a chunk rerun).
+// - One row of x in the C++ layer stack, on AVX512-VNNI: the weight's copy prepacked at load
+//   in the GEMM's layout (quant_w8a8_prepacked.h), which needs no horizontal adds either.
 // - From GEMM_MIN_ROWS rows of x (a batched decode step, a prefill) a GEMM replaces the
 //   tiles: weights repacked per call to VNNI's layout, no horizontal adds
 //   (quant_w8a8_gemm.h for AVX512-VNNI, quant_w8a8_gemm256.h for AVX-VNNI and AVX2; on a
@@ -102,6 +104,8 @@ void unpack_row4(const uint8_t* src, int64_t k, uint8_t* dst) {
 
 using TilesFn = void (*)(const W8A8Problem&, int64_t, int64_t);
 using GemmFn = void (*)(const W8A8Problem&);
+// One row of x times panels pn0 .. pn1 - 1 of a prepacked 4-bit weight, into y.
+using PrepackedFn = void (*)(const W8A8Problem&, const uint8_t*, int64_t, int64_t, float*);
 using QuantizeGroupFn = int32_t (*)(const float*, int8_t*, float*);
 
 // ------------------------------------------------------------------ the SIMD tiles
@@ -147,6 +151,7 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {  // vpdpbusd (EVEX, 256-bit)
 #include "quant_w8a8_tiles.h"
 #include "quant_w8a8_gemm.h"
 #include "quant_w8a8_row512.h"  // tiles512: one row of x in 512-bit registers
+#include "quant_w8a8_prepacked.h"  // one row of x, a weight prepacked in the GEMM's layout
 #pragma GCC pop_options
 }  // namespace avx512vnni
 
@@ -174,61 +179,11 @@ struct IsaEntry {
   TilesFn int8_tiles, int4_tiles;
   QuantizeGroupFn quantize_group;
   GemmFn int8_gemm = nullptr, int4_gemm = nullptr;  // many rows of x, where the ISA has one
+  PrepackedFn int8_prepacked = nullptr, int4_prepacked = nullptr;  // one row of x, a prepacked
+                                                                    // weight (AVX512-VNNI)
 };
 
-// Built for another CPU (MINIVLLM_CPU_ARCH, cpu_ops.py): an instruction set counts only if
-// that CPU has it too, as -march says (native: the run-time check alone decides).
-#if !defined(MINIVLLM_FOREIGN_ARCH) || (defined(__AVX2__) && defined(__F16C__))
-constexpr bool TARGET_AVX2 = true;
-#else
-constexpr bool TARGET_AVX2 = false;
-#endif
-#if !defined(MINIVLLM_FOREIGN_ARCH) || defined(__AVXVNNI__)
-constexpr bool TARGET_AVXVNNI = true;
-#else
-constexpr bool TARGET_AVXVNNI = false;
-#endif
-#if !defined(MINIVLLM_FOREIGN_ARCH) || \
-    (defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__))
-constexpr bool TARGET_AVX512VNNI = true;
-#else
-constexpr bool TARGET_AVX512VNNI = false;
-#endif
-#if !defined(MINIVLLM_FOREIGN_ARCH) || defined(__AMX_INT8__)
-constexpr bool TARGET_AMX = true;
-#else
-constexpr bool TARGET_AMX = false;
-#endif
-
-// Every instruction set this CPU runs, worst first (the portable loop always).
-std::vector<IsaEntry> available_isas() {
-  std::vector<IsaEntry> out{{"portable", portable_tiles<false>, portable_tiles<true>,
-                                  quantize_group_portable}};
-#if MINIVLLM_W8A8_X86
-  __builtin_cpu_init();
-  if (TARGET_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
-    out.push_back({"avx2", avx2::tiles<false>, avx2::tiles<true>, avx2::quantize_group,
-                   avx2::gemm<false>, avx2::gemm<true>});
-    if (TARGET_AVXVNNI && __builtin_cpu_supports("avxvnni")) {
-      out.push_back({"avxvnni", avxvnni::tiles<false>, avxvnni::tiles<true>,
-                     avxvnni::quantize_group, avxvnni::gemm<false>, avxvnni::gemm<true>});
-    }
-    if (TARGET_AVX512VNNI && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")) {
-      out.push_back({"avx512vnni", avx512vnni::tiles512<false>, avx512vnni::tiles512<true>,
-                     avx512vnni::quantize_group, avx512vnni::gemm<false>,
-                     avx512vnni::gemm<true>});
-#if MINIVLLM_W8A8_AMX
-      if (TARGET_AMX && amx_usable()) {  // the GEMM on AMX; one row of x as avx512vnni
-        out.push_back({"amx", avx512vnni::tiles512<false>, avx512vnni::tiles512<true>,
-                       avx512vnni::quantize_group, amx::gemm<false>, amx::gemm<true>});
-      }
-#endif
-    }
-  }
-#endif
-  return out;
-}
+#include "quant_w8a8_isas.h"  // available_isas(): what this build and CPU run
 
 const std::vector<IsaEntry>& isas() {
   static const std::vector<IsaEntry> table = available_isas();  // the CPU does not change
@@ -391,6 +346,68 @@ void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
                       out.data_ptr<float>(), scales.scalar_type() == at::kHalf};
   const IsaEntry& e = find_isa(isa);
   run(p, e.int4_tiles, e.int4_gemm, {qx, x_scales, x_sums, qweight, scales, mins, out});
+}
+
+bool w8a8_prepacked_available() { return find_isa("auto").int4_prepacked != nullptr; }
+
+namespace {
+// One row of x times a prepacked weight of `panels` panels (32 rows each), across threads:
+// each chunk of panels into its own buffer, copied into y if the chunk is still its own.
+void run_prepacked(const W8A8Problem& p, PrepackedFn one_row, const at::Tensor& packed,
+                   int64_t panels, std::vector<at::Tensor> keep) {
+  TORCH_CHECK(one_row != nullptr, "a prepacked W8A8 / W4A8 weight needs AVX512-VNNI");
+  struct Job {
+    W8A8Problem p;
+    PrepackedFn one_row;
+    std::vector<at::Tensor> keep;  // what p reads, for a late helper (thread_team.h)
+  };
+  auto job = std::make_shared<Job>(Job{p, one_row, std::move(keep)});
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  parallel_for_revocable(0, panels, grain_for(32 * p.k), [job, w](int64_t p0, int64_t p1) {
+    const W8A8Problem& p = job->p;
+    std::vector<float> y((p1 - p0) * 32);
+    job->one_row(p, w, p0, p1, y.data());
+    if (!chunk_commit_begin()) return;  // the caller ran this chunk itself
+    const int64_t n0 = p0 * 32;
+    std::memcpy(p.y + n0, y.data(), sizeof(float) * (std::min(p.n, p1 * 32) - n0));
+  });
+}
+}  // namespace
+
+void w8a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                           const at::Tensor& packed, const at::Tensor& scales) {
+  check_activations(qx, x_scales, nullptr);
+  TORCH_CHECK(qx.size(0) == 1, "w8a8_linear_prepacked: one row of x");
+  const int64_t k = qx.size(1), groups = k / GROUP, n = out.size(-1), panels = (n + 31) / 32;
+  check_out(out, 1, n);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
+                  groups % scales.size(1) == 0 && is_scale_dtype(scales),
+              "scales: the weight's (N, G), float32 or float16, groups of a multiple of 32");
+  const int64_t s_groups = scales.size(1), sb = scales.scalar_type() == at::kHalf ? 2 : 4;
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == panels &&
+                  packed.size(1) == 32 * (s_groups * sb + groups * 32) && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              "packed: (ceil(N / 32), 32 (G x scale bytes + K)) uint8, contiguous (prepack_w8a8)");
+  const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), nullptr, 1, k, groups,
+                      nullptr, k, nullptr, nullptr, s_groups, n, out.data_ptr<float>(), sb == 2};
+  run_prepacked(p, find_isa("auto").int8_prepacked, packed, panels, {qx, x_scales, packed, out});
+}
+
+void w4a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
+                           const at::Tensor& x_sums, const at::Tensor& packed) {
+  check_activations(qx, x_scales, &x_sums);
+  TORCH_CHECK(qx.size(0) == 1, "w4a8_linear_prepacked: one row of x");
+  const int64_t k = qx.size(1), groups = k / GROUP, n = out.size(-1), panels = (n + 31) / 32;
+  check_out(out, 1, n);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == groups &&
+                  (packed.size(2) == 640 || packed.size(2) == 768) && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              "packed: (ceil(N / 32), K / 32, 640 or 768) uint8, contiguous (prepack_w4a8)");
+  const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(),
+                      1, k, groups, nullptr, k / 2, nullptr, nullptr, groups, n,
+                      out.data_ptr<float>(), packed.size(2) == 640};
+  run_prepacked(p, find_isa("auto").int4_prepacked, packed, panels,
+                {qx, x_scales, x_sums, packed, out});
 }
 
 }  // namespace minivllm

@@ -54,6 +54,13 @@ TORCH_LIBRARY(minivllm, m) {
   m.def(
       "w4a8_linear(Tensor(a!) out, Tensor qx, Tensor x_scales, Tensor x_sums, Tensor qweight, "
       "Tensor scales, Tensor mins, str isa='auto') -> ()");
+  m.def("w8a8_prepacked_available() -> bool", &minivllm::w8a8_prepacked_available);
+  m.def(
+      "w8a8_linear_prepacked(Tensor(a!) out, Tensor qx, Tensor x_scales, Tensor packed, "
+      "Tensor scales) -> ()");
+  m.def(
+      "w4a8_linear_prepacked(Tensor(a!) out, Tensor qx, Tensor x_scales, Tensor x_sums, "
+      "Tensor packed) -> ()");
   m.def("dequantize_int8(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
   m.def("dequantize_int4(Tensor(a!) out, Tensor qweight, Tensor scales, Tensor mins) -> ()");
   // decode_layers and its LayerStackArgs are registered in layer_stack.cpp.
@@ -101,6 +108,8 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("quantize_activations_int8", &minivllm::quantize_activations_int8);
   m.impl("w8a8_linear", &minivllm::w8a8_linear);
   m.impl("w4a8_linear", &minivllm::w4a8_linear);
+  m.impl("w8a8_linear_prepacked", &minivllm::w8a8_linear_prepacked);
+  m.impl("w4a8_linear_prepacked", &minivllm::w4a8_linear_prepacked);
   m.impl("dequantize_int8", &minivllm::dequantize_int8);
   m.impl("dequantize_int4", &minivllm::dequantize_int4);
   m.impl("apply_token_bitmask", &minivllm::apply_token_bitmask);
