@@ -142,8 +142,9 @@ class WorkerConfig:
             scale per token and KV head, :mod:`minivllm.kv_quant`).
         enforce_eager: the model's own forward on every step (no CUDA graph,
             no C++ layer stack).
-        prepack: let float linear layers keep a prepacked copy of their
-            weight for the GEMM (``$MINIVLLM_PREPACK=0`` turns it off).
+        prepack: let linear layers keep a prepacked copy of their weight: float
+            weights for the GEMM, and on AVX512-VNNI int8 / 4-bit weights with int8
+            activations for batch 1 (``$MINIVLLM_PREPACK=0`` turns it off).
         timeout_s: how long a collective waits for a peer before failing.
         lora_config: the LoRA slots every rank keeps (``enable_lora``); None: no LoRA.
         seed: the seed of the sampling worker's generator for unseeded requests.

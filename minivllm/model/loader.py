@@ -221,7 +221,7 @@ def load_model(
             ``pp_rank`` of ``pp_size`` and loads only that stage's weights (see
             :func:`build_model`).
         prepack: whether the linear layers may keep a prepacked copy of their
-            float weights (``process_weights_after_loading``); False is passed
+            weights (``process_weights_after_loading``); False is passed
             to the hook only when set, so a hook written without it still serves.
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
