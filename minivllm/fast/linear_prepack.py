@@ -26,6 +26,7 @@ Tested in ``tests/test_prepack.py``, ``tests/test_w8a8.py`` and ``tests/test_mem
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -175,8 +176,10 @@ def _prepack_quantized(weight: QuantizedWeight) -> torch.Tensor | None:
     """:func:`prepack_w8a8` / :func:`prepack_w4a8`'s copy of a weight with int8 activations
     that the C++ ops multiply; else None."""
     from minivllm.fast import cpu_ops
-    from minivllm.fast import quantization as fast_quantization
 
+    # The fast twin multiplies it (it is loaded by then; looked up, not imported: the
+    # twin imports this module's callers).
+    fast_quantization = sys.modules.get("minivllm.fast.quantization")
     if (weight.activations != "int8" or weight.qweight.dim() != 2
             or weight.qweight.device.type != "cpu" or weight.ops is not fast_quantization
             or cpu_ops.build()[0] is None or not cpu_ops.ops().w8a8_prepacked_available()):
