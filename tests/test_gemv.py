@@ -177,3 +177,25 @@ def test_ref_twin_is_the_textbook_matmul() -> None:
     x = torch.randn(5, 33, generator=g).to(torch.bfloat16)
     b = torch.randn(781, generator=g).to(torch.bfloat16)
     check(ref_linear.linear(x, w, b), x, w, b, rounded_before_bias=True)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("w_dtype,portable", [(torch.bfloat16, False), (torch.bfloat16, True),
+                                              (torch.float32, False)])
+@pytest.mark.parametrize("k,n", [(576, 1537), (31, 9), (100, 37)])
+def test_one_row_gives_the_bits_of_a_row_among_many(x_dtype, w_dtype, portable, k, n):
+    """One row runs blocks of its own (8 weight rows; with AVX-512 BF16 its accumulators in
+    registers); a row's result must not depend on the rows beside it: the same bits as
+    that row in a call of 2 and of 5 rows (the general blocks; a K of 31 / 100 / 576 leaves
+    a tail of 31 / 4 / 0 past a multiple of 32)."""
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(w_dtype)
+    x = torch.randn(5, k, generator=g).to(x_dtype)
+    op = cpu_ops.ops().linear_small_m
+    for rows in (2, 5):
+        many = torch.empty(rows, n, dtype=x_dtype)
+        op(many, x[:rows], w, None, portable)
+        for r in range(rows):
+            one = torch.empty(1, n, dtype=x_dtype)
+            op(one, x[r : r + 1], w, None, portable)
+            assert torch.equal(one[0], many[r]), (rows, r)
