@@ -21,7 +21,8 @@ panels of 32 rows in the order ``vpdpbusd`` reads them, which the C++ layer stac
 multiplies one row of ``x`` by without the shuffles the stored layout needs
 (``csrc/quant_w8a8_prepacked.h``).
 
-Tested in ``tests/test_prepack.py``, ``tests/test_w8a8.py`` and ``tests/test_memory_growth.py``.
+Tested in ``tests/test_prepack.py``, ``tests/test_w8a8_prepacked.py`` and
+``tests/test_memory_growth.py``.
 """
 
 from __future__ import annotations
