@@ -146,7 +146,7 @@ def test_the_prepacked_op_equals_the_ref_exactly(n, groups, seed, magnitude, dty
 
 
 @needs_op
-def test_the_prepacked_op_refuses_what_it_does_not_take():
+def test_the_prepacked_ops_refuse_what_they_do_not_take():
     qw = int4_weight(40, 2, 0, torch.float16)
     packed = prepack_w4a8(qw.qweight, qw.scales, qw.mins)
     a = ref.quantize_activations(torch.randn(2, 64))
@@ -158,6 +158,16 @@ def test_the_prepacked_op_refuses_what_it_does_not_take():
         op(torch.empty(1, 70), one.q, one.scales, one.sums, packed)  # 3 panels, not 2
     with pytest.raises(RuntimeError, match="packed"):
         op(torch.empty(1, 40), one.q, one.scales, one.sums, packed[:, :1].contiguous())
+    # The int8 op: its scales must be the weight's, the copy of that weight's shape.
+    qw8 = ref.quantize_int8(torch.randn(40, 64), 32)
+    packed8 = prepack_w8a8(qw8.qweight, qw8.scales)
+    op8 = cpu_ops.ops().w8a8_linear_prepacked
+    with pytest.raises(RuntimeError, match="one row of x"):
+        op8(torch.empty(2, 40), a.q, a.scales, packed8, qw8.scales)
+    with pytest.raises(RuntimeError, match="packed"):  # per-channel scales: another layout
+        op8(torch.empty(1, 40), one.q, one.scales, packed8, qw8.scales[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="scales"):  # 3 scale groups do not divide 2 groups
+        op8(torch.empty(1, 40), one.q, one.scales, packed8, torch.ones(40, 3))
 
 
 @needs_cpp

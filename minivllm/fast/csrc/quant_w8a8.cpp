@@ -50,6 +50,8 @@
 //   CPU with AMX-INT8, quant_w8a8_amx.h's tiles of 16 x 16 int32 sums).
 #include "ops.h"
 
+#include <ATen/ops/empty.h>
+
 #include <cstring>
 #include <memory>
 #include <string>
@@ -86,6 +88,13 @@ constexpr int64_t GROUP = ACT_GROUP_SIZE;  // input features per activation scal
 constexpr int64_t TILE = 8;    // weight rows per tile (the lanes of a float vector)
 // Rows of x from which an ISA's GEMM (weights repacked to VNNI's layout) replaces the tiles.
 constexpr int64_t GEMM_MIN_ROWS = 8;
+// Weight rows a panel of a prepacked weight holds (prepack_w8a8 / prepack_w4a8 in
+// fast/linear_prepack.py; the GEMM's PANEL), and the bytes of one 4-bit group of a panel:
+// its words, then its scales and minimums (quant_w8a8_prepacked.h).
+constexpr int64_t PREPACKED_ROWS = 32;
+constexpr int64_t prepacked_group_bytes(bool half_scales) {
+  return 4 * PREPACKED_ROWS * 4 + 2 * PREPACKED_ROWS * (half_scales ? 2 : 4);
+}
 
 #include "quant_w8a8_problem.h"  // W8A8Problem, its scales, a tile's rows
 
@@ -104,7 +113,7 @@ void unpack_row4(const uint8_t* src, int64_t k, uint8_t* dst) {
 
 using TilesFn = void (*)(const W8A8Problem&, int64_t, int64_t);
 using GemmFn = void (*)(const W8A8Problem&);
-// One row of x times panels pn0 .. pn1 - 1 of a prepacked 4-bit weight, into y.
+// One row of x times panels pn0 .. pn1 - 1 of a prepacked int8 or 4-bit weight, into y.
 using PrepackedFn = void (*)(const W8A8Problem&, const uint8_t*, int64_t, int64_t, float*);
 using QuantizeGroupFn = int32_t (*)(const float*, int8_t*, float*);
 
@@ -202,41 +211,68 @@ const IsaEntry& find_isa(std::string_view name) {
               std::string(name), "'");
 }
 
+// Weight rows in units of `unit` rows (a tile, a panel) across threads, run revocably
+// (thread_team.h: the caller may rerun a late helper's chunk): a chunk computes rows
+// n0 .. n0 + width - 1 for every row of x into its own buffer, y[m * width + j] (room for
+// whole units: a kernel may write its padded rows), with compute(p, u0, u1, y), and copies
+// that into p.y only if the chunk is still its. `keep`: the tensors behind p's pointers,
+// which a late helper may still read after this call has returned; compute holds by value
+// whatever else it reads.
+template <typename Compute>
+void run_revocable(const W8A8Problem& p, int64_t unit, std::vector<at::Tensor> keep,
+                   Compute compute) {
+  if (p.m == 0 || p.n == 0) return;
+  struct Job {
+    W8A8Problem p;
+    Compute compute;
+    std::vector<at::Tensor> keep;
+  };
+  auto job = std::make_shared<Job>(Job{p, std::move(compute), std::move(keep)});
+  const int64_t units = (p.n + unit - 1) / unit;
+  parallel_for_revocable(0, units, grain_for(unit * p.k * p.m), [job, unit](int64_t u0, int64_t u1) {
+    const W8A8Problem& p = job->p;
+    const int64_t n0 = u0 * unit, width = std::min(p.n, u1 * unit) - n0;
+    std::vector<float> y(p.m * (u1 - u0) * unit);
+    job->compute(p, u0, u1, y.data());
+    if (!chunk_commit_begin()) return;  // the caller ran this chunk itself
+    for (int64_t m = 0; m < p.m; ++m)
+      std::memcpy(p.y + m * p.n + n0, y.data() + m * width, sizeof(float) * width);
+  });
+}
+
 // y = the problem's product: the GEMM for many rows of x, else tiles of TILE weight rows,
-// run revocably (thread_team.h: the caller may rerun a late helper's chunk): a chunk
-// multiplies its weight rows as a problem of its own into its own buffer, and copies that
-// into y only if the chunk is still its. `keep`: the tensors behind p's pointers, which a
-// late helper may still read after this call has returned.
+// each chunk's rows as a problem of its own (run_revocable).
 void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm, std::vector<at::Tensor> keep) {
   if (p.m == 0 || p.n == 0) return;
   if (gemm != nullptr && p.m >= GEMM_MIN_ROWS) {
     gemm(p);
     return;
   }
-  struct Job {
-    W8A8Problem p;
-    TilesFn tiles;
-    std::vector<at::Tensor> keep;
-  };
-  auto job = std::make_shared<Job>(Job{p, tiles, std::move(keep)});
+  W8A8Problem q = p;
   // One row of x: a tile prefetches the next into L1 where prefetch_into_l1 says (ops.h).
-  job->p.next_into_l1 = p.m == 1 && prefetch_into_l1(2 * TILE * p.row_bytes);
-  const int64_t count = (p.n + TILE - 1) / TILE;
-  parallel_for_revocable(0, count, grain_for(TILE * p.k * p.m), [job](int64_t t0, int64_t t1) {
-    const W8A8Problem& p = job->p;
-    const int64_t n0 = t0 * TILE, width = std::min(p.n, t1 * TILE) - n0;
+  q.next_into_l1 = p.m == 1 && prefetch_into_l1(2 * TILE * p.row_bytes);
+  run_revocable(q, TILE, std::move(keep), [tiles](const W8A8Problem& p, int64_t t0, int64_t t1,
+                                                   float* y) {
+    const int64_t n0 = t0 * TILE;
     W8A8Problem rows = p;  // weight rows n0 .. n0 + width - 1, as rows 0 .. width - 1
     rows.w = p.w + n0 * p.row_bytes;
     rows.s = scale_address(p, p.s, n0 * p.s_groups);
     if (p.mn != nullptr) rows.mn = scale_address(p, p.mn, n0 * p.groups);
-    rows.n = width;
-    std::vector<float> y(p.m * width);
-    rows.y = y.data();
-    job->tiles(rows, 0, t1 - t0);
-    if (!chunk_commit_begin()) return;  // the caller ran this chunk itself
-    for (int64_t m = 0; m < p.m; ++m)
-      std::memcpy(p.y + m * p.n + n0, y.data() + m * width, sizeof(float) * width);
+    rows.n = std::min(p.n, t1 * TILE) - n0;
+    rows.y = y;
+    tiles(rows, 0, t1 - t0);
   });
+}
+
+// y = one row of x times a prepacked weight (panels of PREPACKED_ROWS rows).
+void run_prepacked(const W8A8Problem& p, PrepackedFn one_row, const at::Tensor& packed,
+                   std::vector<at::Tensor> keep) {
+  TORCH_CHECK(one_row != nullptr, "a prepacked W8A8 / W4A8 weight needs AVX512-VNNI");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  run_revocable(p, PREPACKED_ROWS, std::move(keep),
+                [one_row, w](const W8A8Problem& p, int64_t p0, int64_t p1, float* y) {
+                  one_row(p, w, p0, p1, y);
+                });
 }
 
 void check_activations(const at::Tensor& qx, const at::Tensor& xs, const at::Tensor* xsum) {
@@ -348,66 +384,56 @@ void w4a8_linear(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scal
   run(p, e.int4_tiles, e.int4_gemm, {qx, x_scales, x_sums, qweight, scales, mins, out});
 }
 
-bool w8a8_prepacked_available() { return find_isa("auto").int4_prepacked != nullptr; }
-
-namespace {
-// One row of x times a prepacked weight of `panels` panels (32 rows each), across threads:
-// each chunk of panels into its own buffer, copied into y if the chunk is still its own.
-void run_prepacked(const W8A8Problem& p, PrepackedFn one_row, const at::Tensor& packed,
-                   int64_t panels, std::vector<at::Tensor> keep) {
-  TORCH_CHECK(one_row != nullptr, "a prepacked W8A8 / W4A8 weight needs AVX512-VNNI");
-  struct Job {
-    W8A8Problem p;
-    PrepackedFn one_row;
-    std::vector<at::Tensor> keep;  // what p reads, for a late helper (thread_team.h)
-  };
-  auto job = std::make_shared<Job>(Job{p, one_row, std::move(keep)});
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  parallel_for_revocable(0, panels, grain_for(32 * p.k), [job, w](int64_t p0, int64_t p1) {
-    const W8A8Problem& p = job->p;
-    std::vector<float> y((p1 - p0) * 32);
-    job->one_row(p, w, p0, p1, y.data());
-    if (!chunk_commit_begin()) return;  // the caller ran this chunk itself
-    const int64_t n0 = p0 * 32;
-    std::memcpy(p.y + n0, y.data(), sizeof(float) * (std::min(p.n, p1 * 32) - n0));
-  });
+bool w8a8_prepacked_available() {
+  const IsaEntry& e = find_isa("auto");
+  return e.int8_prepacked != nullptr && e.int4_prepacked != nullptr;
 }
-}  // namespace
 
 void w8a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
                            const at::Tensor& packed, const at::Tensor& scales) {
   check_activations(qx, x_scales, nullptr);
   TORCH_CHECK(qx.size(0) == 1, "w8a8_linear_prepacked: one row of x");
-  const int64_t k = qx.size(1), groups = k / GROUP, n = out.size(-1), panels = (n + 31) / 32;
+  const int64_t k = qx.size(1), groups = k / GROUP, n = out.size(-1);
   check_out(out, 1, n);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
                   groups % scales.size(1) == 0 && is_scale_dtype(scales),
               "scales: the weight's (N, G), float32 or float16, groups of a multiple of 32");
   const int64_t s_groups = scales.size(1), sb = scales.scalar_type() == at::kHalf ? 2 : 4;
-  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == panels &&
-                  packed.size(1) == 32 * (s_groups * sb + groups * 32) && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte,
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == (n + PREPACKED_ROWS - 1) / PREPACKED_ROWS &&
+                  packed.size(1) == PREPACKED_ROWS * (s_groups * sb + k) &&
+                  packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "packed: (ceil(N / 32), 32 (G x scale bytes + K)) uint8, contiguous (prepack_w8a8)");
-  const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), nullptr, 1, k, groups,
-                      nullptr, k, nullptr, nullptr, s_groups, n, out.data_ptr<float>(), sb == 2};
-  run_prepacked(p, find_isa("auto").int8_prepacked, packed, panels, {qx, x_scales, packed, out});
+  // The weights meet x as w + 128: 128 sum_k q_x a group comes back out (exact).
+  at::Tensor shift = at::empty({groups}, qx.options().dtype(at::kInt));
+  const int8_t* q = qx.data_ptr<int8_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t total = 0;
+    for (int64_t i = 0; i < GROUP; ++i) total += q[g * GROUP + i];
+    shift.data_ptr<int32_t>()[g] = 128 * total;
+  }
+  W8A8Problem p{q, x_scales.data_ptr<float>(), nullptr, 1, k, groups, nullptr, k, nullptr,
+                nullptr, s_groups, n, out.data_ptr<float>(), sb == 2};
+  p.shift = shift.data_ptr<int32_t>();
+  run_prepacked(p, find_isa("auto").int8_prepacked, packed, {qx, x_scales, packed, out, shift});
 }
 
 void w4a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
                            const at::Tensor& x_sums, const at::Tensor& packed) {
   check_activations(qx, x_scales, &x_sums);
   TORCH_CHECK(qx.size(0) == 1, "w4a8_linear_prepacked: one row of x");
-  const int64_t k = qx.size(1), groups = k / GROUP, n = out.size(-1), panels = (n + 31) / 32;
+  const int64_t k = qx.size(1), groups = k / GROUP, n = out.size(-1);
   check_out(out, 1, n);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == groups &&
-                  (packed.size(2) == 640 || packed.size(2) == 768) && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte,
+  const int64_t group_bytes = packed.dim() == 3 ? packed.size(2) : 0;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == (n + PREPACKED_ROWS - 1) / PREPACKED_ROWS &&
+                  packed.size(1) == groups &&
+                  (group_bytes == prepacked_group_bytes(true) ||
+                   group_bytes == prepacked_group_bytes(false)) &&
+                  packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "packed: (ceil(N / 32), K / 32, 640 or 768) uint8, contiguous (prepack_w4a8)");
   const W8A8Problem p{qx.data_ptr<int8_t>(), x_scales.data_ptr<float>(), x_sums.data_ptr<float>(),
                       1, k, groups, nullptr, k / 2, nullptr, nullptr, groups, n,
-                      out.data_ptr<float>(), packed.size(2) == 640};
-  run_prepacked(p, find_isa("auto").int4_prepacked, packed, panels,
-                {qx, x_scales, x_sums, packed, out});
+                      out.data_ptr<float>(), group_bytes == prepacked_group_bytes(true)};
+  run_prepacked(p, find_isa("auto").int4_prepacked, packed, {qx, x_scales, x_sums, packed, out});
 }
 
 }  // namespace minivllm

@@ -26,7 +26,8 @@
 // int8: 8 words) lane c
 // holds I[c, g], the group's exact int32 sum, with no shuffle at all (int8: the weights are
 // the unsigned operand as w + 128, x the signed one, broadcast; sum_k (w + 128) x =
-// I + 128 sum_k x, and 128 sum_k x, one integer a group, is subtracted). The rescale is the
+// I + 128 sum_k x, and 128 sum_k x, one integer a group (p.shift, made once a call by
+// w8a8_linear_prepacked), is subtracted). The rescale is the
 // GEMM's (rescale_add, the ref's order), so the result is the ref's bits. A panel is one
 // contiguous run of memory, and a thread's panels are one run: its bytes PREPACKED_AHEAD
 // ahead are prefetched into L2 (into L1, as the tiles do on AMD, was 10-20% slower with
@@ -41,10 +42,7 @@ inline void prefetch_ahead(const uint8_t* at, int64_t bytes, const uint8_t* end)
   }
 }
 
-// Bytes of one group of a panel: its words, then its scales and minimums.
-inline int64_t prepacked_group_bytes(bool half_scales) {
-  return 4 * PANEL * 4 + 2 * PANEL * (half_scales ? 2 : 4);
-}
+static_assert(PANEL == PREPACKED_ROWS, "a prepacked panel is the GEMM's");
 
 // 16 scales (or minimums) at `at` as float32: float16 widens exactly.
 inline __m512 load_scales16(const uint8_t* at, bool half_scales) {
@@ -101,12 +99,6 @@ void prepacked_one_row_int8(const W8A8Problem& p, const uint8_t* packed, int64_t
   const int64_t panel_bytes = scale_block + p.groups * gbytes;
   const int64_t per_scale = p.groups / p.s_groups;  // groups a weight scale covers
   const uint8_t* end = packed + pn1 * panel_bytes;
-  std::vector<int32_t> shift(p.groups);  // 128 sum_k x, a group
-  for (int64_t g = 0; g < p.groups; ++g) {
-    int32_t total = 0;
-    for (int64_t i = 0; i < GROUP; ++i) total += p.qx[g * GROUP + i];
-    shift[g] = 128 * total;
-  }
   int32_t x32[8];  // a group's x, 4 bytes a word
   for (int64_t pn = pn0; pn < pn1; ++pn) {
     const uint8_t* panel = packed + pn * panel_bytes;
@@ -135,7 +127,7 @@ void prepacked_one_row_int8(const W8A8Problem& p, const uint8_t* packed, int64_t
         }
       }
       const __m512 xs = _mm512_set1_ps(p.xs[g]);
-      const __m512i correction = _mm512_set1_epi32(shift[g]);
+      const __m512i correction = _mm512_set1_epi32(p.shift[g]);  // 128 sum_k x
       for (int64_t h = 0; h < 2; ++h) {
         const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(lo[h], hi[h]), correction);
         acc[h] = rescale_add<false>(p, acc[h], xs, sw[h], xs, sum, 0, g);

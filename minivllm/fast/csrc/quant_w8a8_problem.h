@@ -18,6 +18,7 @@ struct W8A8Problem {
   float* y;              // (m, n) float32
   bool half_scales;      // s and mn are float16, as a GGUF's blocks store them
   bool next_into_l1 = false;  // a tile prefetches the next one into L1, not L2 (run())
+  const int32_t* shift = nullptr;  // a prepacked int8 weight: 128 sum_k q_x, a group
 };
 
 // Scale (or minimum) i of `base` as a float32: a float16 converts exactly, so a weight
