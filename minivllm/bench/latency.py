@@ -43,6 +43,12 @@ begin/end stamps. What is left is Python, dispatch, allocation, the
 scheduler, the model runner, the sampler and detokenization: everything a
 step does that is not model arithmetic. The op ranges are still printed as
 the per-category breakdown.
+
+**Inside the C++ layer stack**: on a CPU the fast path's decode step is one
+C++ call, which no profiler sees into. One more run turns on its own clock
+(:mod:`minivllm.bench._stack_phases`) and prints each phase's ms per step (norm,
+qkv, rope + cache write, attention, o, ..., lm head), its share of the call,
+and for the projections the GB/s at which their weights were read.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import random
 import time
 from pathlib import Path
 
+from minivllm.bench import _stack_phases as stack_phases
 from minivllm.bench._alternate import alternate, figures
 from minivllm.bench._harness import busy_core, describe_machine, machine
 from minivllm.profiler import Profiler
@@ -217,6 +224,10 @@ def run_one(args, dtype: str, quantization: str | None) -> dict:
         result["profiled_step_ms"] = 1000 * kernels["step_profiled"]
         for r in result["paths"].values():
             r["outside_kernels_ms"] = r["decode_ms_per_step"] - kernel_ms
+        if "fast" in paths:  # the fast path's one C++ call a step, phase by phase
+            stack = stack_phases.measure(llm, prompts, args.output_len)
+            if stack is not None:
+                result["layer_stack"] = stack
     llm.shutdown()
     return result
 
@@ -278,6 +289,8 @@ def format_table(results: list[dict], args) -> str:
             ops = ", ".join(f"{op} {ms:.2f}" for op, ms in res["op_ms_per_step"].items())
             lines.append(f"  kernels per decode step (ms): {ops}; a profiled plain step "
                          f"{res['profiled_step_ms']:.2f} ms")
+        if "layer_stack" in res:
+            lines += stack_phases.format_lines(res["layer_stack"])
     lines.append("host ms = decode step wall time - its forward's wall time, both timed in the "
                  "engine (target <= 1 ms); outside kern. ms = step wall time - time inside the "
                  "kernels (leaf operators: minivllm::* and ATen's matmuls; see --help)")
@@ -301,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-profile", action="store_true",
-                   help="skip the profiled run (no kernel time)")
+                   help="skip the profiled runs (no kernel time, and no phases of the C++ "
+                        "layer stack)")
     p.add_argument("--busy-core", action="store_true",
                    help="measure while another process keeps one core busy (started and "
                         "stopped here): a laptop is never idle")

@@ -60,7 +60,7 @@ SOURCES = ("attention.cpp", "cache_write.cpp", "copy_blocks.cpp", "layernorm.cpp
 HEADERS = ("ops.h", "thread_team.h", "attention_rows.h", "attention_tile.h", "quant_tiles.h",
            "quant_w8a8_tiles.h", "quant_w8a8_gemm.h", "quant_w8a8_gemm256.h", "quant_w8a8_panels.h",
            "quant_w8a8_amx.h", "quant_w8a8_portable.h", "quant_w8a8_row512.h", "quant_w8a8_problem.h",
-           "quant_w8a8_prepacked.h", "quant_w8a8_isas.h", "kv_cache.h")
+           "quant_w8a8_prepacked.h", "quant_w8a8_isas.h", "kv_cache.h", "layer_stack_clock.h")
 
 
 def _extension_name() -> str:

@@ -40,6 +40,7 @@
 // (logits_indices), as float32 logits. Each of those was a Python call of its own, and
 // after a step's 540 MB of weights every Python call runs from cold caches: at batch 1
 // in float32 they cost ~0.35 ms a step (docs/kernels.md, "The host between two C++ calls").
+#include "layer_stack_clock.h"
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
@@ -340,6 +341,8 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
     lora.seg_slots = &*seg_slots;
   }
   const int64_t T = hidden.size(0);
+  using namespace stack_clock;
+  Clock clock;  // off unless decode_layers_timing turned it on (layer_stack_clock.h)
   if (a.embedding.has_value()) embed(residual, input_ids, *a.embedding);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = hidden.options();
@@ -367,8 +370,10 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
     } else {  // residual += hidden; hidden = norm(residual), both in place
       fused_add_rms_norm(hidden, residual, norms[2 * i], eps[2 * i]);
     }
+    clock.tick(NORM);
     project(qkv, hidden, kind[0], w, scratch[0]);
     lora.add(qkv, hidden, p);
+    clock.tick(QKV);
     rotary_embedding(positions, q, k, cos_sin_cache, is_neox);
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
     std::optional<at::Tensor> k_scale, v_scale;
@@ -377,21 +382,30 @@ void decode_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& i
       v_scale = v_scales[i];
     }
     reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+    clock.tick(ROPE_CACHE);
     paged_attention(attn_out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                     scale, /*gemm_prefill=*/true, k_scale, v_scale);
+    clock.tick(ATTENTION);
     project(hidden, attn_rows, kind[1], w + TENSORS_PER_PROJECTION, scratch[1]);
     lora.add(hidden, attn_rows, p + 1);
+    clock.tick(O_PROJ);
     fused_add_rms_norm(hidden, residual, norms[2 * i + 1], eps[2 * i + 1]);
+    clock.tick(POST_NORM);
     project(gate_up, hidden, kind[2], w + 2 * TENSORS_PER_PROJECTION, scratch[2]);
     lora.add(gate_up, hidden, p + 2);
+    clock.tick(GATE_UP);
     silu_and_mul(act, gate_up);
+    clock.tick(ACT);
     project(hidden, act, kind[3], w + 3 * TENSORS_PER_PROJECTION, scratch[3]);
     lora.add(hidden, act, p + 3);
+    clock.tick(DOWN);
   }
   fused_add_rms_norm(hidden, residual, a.final_norm, a.final_eps);  // the final norm
+  clock.tick(FINAL_NORM);
   if (logits.has_value()) {
     lm_head_logits(*logits, hidden, logits_indices, a.lm_head, a.lm_head_kind);
   }
+  clock.tick(LM_HEAD);
 }
 
 // The class and the op that takes it, registered here (the class before the schema that
@@ -413,6 +427,10 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
       "Tensor query_start_loc, __torch__.torch.classes.minivllm.LayerStackArgs stack, "
       "Tensor? sorted_tokens, Tensor? seg_starts, Tensor? seg_slots, Tensor(g!)? logits, "
       "Tensor logits_indices) -> ()");
+  // The phases of decode_layers by name, and [calls, seconds of each phase] since the last
+  // read, timing then turned on or off (layer_stack_clock.h).
+  m.def("decode_layers_phases() -> str[]", &decode_layers_phases);
+  m.def("decode_layers_timing(bool enable) -> float[]", &decode_layers_timing);
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) { m.impl("decode_layers", &decode_layers); }
