@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 #include <type_traits>
+#include <vector>
 
 namespace minivllm {
 namespace rows {
@@ -19,6 +20,15 @@ namespace rows {
 constexpr int64_t KEY_TILE = 32;          // keys per online-softmax update
 constexpr int64_t MR = 4;                 // query vectors per register block
 constexpr int64_t DC = 16;                // head_dim elements per register block of p @ V
+
+// A thread's scratch for the row loop (attention.cpp's run_part), kept from chunk to chunk.
+template <typename scalar_t>
+struct RowScratch {
+  std::vector<float> q_buf, acc, row_max, row_sum, scores, k_buf, v_buf;
+  std::vector<int64_t> pos;
+  std::vector<scalar_t> staged;     // the row items' outputs, head_dim a query vector
+  std::vector<scalar_t*> staged_to; // where each goes
+};
 
 // The next key tile's rows of one KV head (K's or V's), asked for a few at a time while
 // this tile is computed: blocks sit anywhere in the cache, where no hardware prefetcher
