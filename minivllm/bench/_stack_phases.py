@@ -15,8 +15,10 @@ one). ``minivllm bench latency`` prints them under its table.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 #: The phases that read a weight: which projection of a layer (or the LM head).
-_PROJECTION_OF = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3, "lm head": None}
+_PROJECTION_OF = MappingProxyType({"qkv": 0, "o": 1, "gate_up": 2, "down": 3, "lm head": None})
 
 
 def weight_bytes(kernel, rows: int) -> int:
