@@ -217,17 +217,19 @@ const IsaEntry& find_isa(std::string_view name) {
 // whole units: a kernel may write its padded rows), with compute(p, u0, u1, y), and copies
 // that into p.y only if the chunk is still its. `keep`: the tensors behind p's pointers,
 // which a late helper may still read after this call has returned; compute holds by value
-// whatever else it reads.
+// whatever else it reads. `shift`: where given, p.shift's values, which the job then owns.
 template <typename Compute>
 void run_revocable(const W8A8Problem& p, int64_t unit, std::vector<at::Tensor> keep,
-                   Compute compute) {
+                   Compute compute, std::vector<int32_t> shift = {}) {
   if (p.m == 0 || p.n == 0) return;
   struct Job {
     W8A8Problem p;
     Compute compute;
     std::vector<at::Tensor> keep;
+    std::vector<int32_t> shift;
   };
-  auto job = std::make_shared<Job>(Job{p, std::move(compute), std::move(keep)});
+  auto job = std::make_shared<Job>(Job{p, std::move(compute), std::move(keep), std::move(shift)});
+  if (!job->shift.empty()) job->p.shift = job->shift.data();
   const int64_t units = (p.n + unit - 1) / unit;
   parallel_for_revocable(0, units, grain_for(unit * p.k * p.m), [job, unit](int64_t u0, int64_t u1) {
     const W8A8Problem& p = job->p;
@@ -266,13 +268,15 @@ void run(const W8A8Problem& p, TilesFn tiles, GemmFn gemm, std::vector<at::Tenso
 
 // y = one row of x times a prepacked weight (panels of PREPACKED_ROWS rows).
 void run_prepacked(const W8A8Problem& p, PrepackedFn one_row, const at::Tensor& packed,
-                   std::vector<at::Tensor> keep) {
+                   std::vector<at::Tensor> keep, std::vector<int32_t> shift = {}) {
   TORCH_CHECK(one_row != nullptr, "a prepacked W8A8 / W4A8 weight needs AVX512-VNNI");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  run_revocable(p, PREPACKED_ROWS, std::move(keep),
-                [one_row, w](const W8A8Problem& p, int64_t p0, int64_t p1, float* y) {
-                  one_row(p, w, p0, p1, y);
-                });
+  run_revocable(
+      p, PREPACKED_ROWS, std::move(keep),
+      [one_row, w](const W8A8Problem& p, int64_t p0, int64_t p1, float* y) {
+        one_row(p, w, p0, p1, y);
+      },
+      std::move(shift));
 }
 
 void check_activations(const at::Tensor& qx, const at::Tensor& xs, const at::Tensor* xsum) {
@@ -403,18 +407,19 @@ void w8a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tens
                   packed.size(1) == PREPACKED_ROWS * (s_groups * sb + k) &&
                   packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "packed: (ceil(N / 32), 32 (G x scale bytes + K)) uint8, contiguous (prepack_w8a8)");
-  // The weights meet x as w + 128: 128 sum_k q_x a group comes back out (exact).
-  at::Tensor shift = at::empty({groups}, qx.options().dtype(at::kInt));
+  // The weights meet x as w + 128: 128 sum_k q_x a group comes back out (exact). A vector
+  // the job owns, not a tensor: at batch 1 a step makes 121 of these (at::empty cost more).
+  std::vector<int32_t> shift(groups);
   const int8_t* q = qx.data_ptr<int8_t>();
   for (int64_t g = 0; g < groups; ++g) {
     int32_t total = 0;
     for (int64_t i = 0; i < GROUP; ++i) total += q[g * GROUP + i];
-    shift.data_ptr<int32_t>()[g] = 128 * total;
+    shift[g] = 128 * total;
   }
   W8A8Problem p{q, x_scales.data_ptr<float>(), nullptr, 1, k, groups, nullptr, k, nullptr,
                 nullptr, s_groups, n, out.data_ptr<float>(), sb == 2};
-  p.shift = shift.data_ptr<int32_t>();
-  run_prepacked(p, find_isa("auto").int8_prepacked, packed, {qx, x_scales, packed, out, shift});
+  run_prepacked(p, find_isa("auto").int8_prepacked, packed, {qx, x_scales, packed, out},
+                std::move(shift));
 }
 
 void w4a8_linear_prepacked(at::Tensor& out, const at::Tensor& qx, const at::Tensor& x_scales,
