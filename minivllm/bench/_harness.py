@@ -130,6 +130,27 @@ def machine() -> dict:
                 torch_cpu_capability=torch.backends.cpu.get_cpu_capability())
 
 
+def decode_after_prefill(llm, prompts: list[list[int]], max_tokens: int,
+                         during: contextlib.AbstractContextManager) -> int:
+    """Submit ``prompts`` (greedy, ``ignore_eos``; the prefix cache reset first), run their
+    prefill step, then every decode step inside the context ``during`` (a profiler, a
+    clock); returns how many decode steps ran."""
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    engine.scheduler.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    for p in prompts:
+        engine.add_request(None, p, params)
+    engine.step()  # the prefill
+    steps = 0
+    with during:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    return steps
+
+
 def describe_machine(info: dict | None = None) -> str:
     """One line for a table's header, e.g. ``AMD EPYC (avx2 fma), 2 cores, load 1.02``."""
     info = machine() if info is None else info

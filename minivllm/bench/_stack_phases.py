@@ -15,7 +15,10 @@ one). ``minivllm bench latency`` prints them under its table.
 
 from __future__ import annotations
 
+import contextlib
 from types import MappingProxyType
+
+from minivllm.bench._harness import decode_after_prefill
 
 #: The phases that read a weight: which projection of a layer (or the LM head).
 _PROJECTION_OF = MappingProxyType({"qkv": 0, "o": 1, "gate_up": 2, "down": 3, "lm head": None})
@@ -35,26 +38,24 @@ def weight_bytes(kernel, rows: int) -> int:
 def measure(llm, prompts: list[list[int]], max_tokens: int) -> dict | None:
     """``{"calls": decode steps, "phases": {name: {"ms": per step, "gbps": ...}}}`` of the
     decode steps of ``prompts``, or None where those steps were not the C++ layer stack."""
-    from minivllm import SamplingParams
     from minivllm.fast import cpu_ops
 
-    engine = llm.llm_engine
-    runner = getattr(engine.executor.worker, "model_runner", None)
+    runner = getattr(llm.llm_engine.executor.worker, "model_runner", None)
     stack = getattr(runner, "layer_stack", None)
     if stack is None or not cpu_ops.available():
         return None
     ops = cpu_ops.ops()
-    engine.scheduler.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    for p in prompts:
-        engine.add_request(None, p, params)
-    engine.step()  # the prefill: not timed
-    ops.decode_layers_timing(True)
-    try:
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        got = ops.decode_layers_timing(False)
+    got: list[float] = []
+
+    @contextlib.contextmanager
+    def clock_on():  # the decode steps only: the prefill is not timed
+        ops.decode_layers_timing(True)
+        try:
+            yield
+        finally:
+            got.extend(ops.decode_layers_timing(False))
+
+    decode_after_prefill(llm, prompts, max_tokens, clock_on())
     calls, seconds = int(got[0]), got[1:]
     if calls == 0:
         return None

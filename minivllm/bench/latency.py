@@ -65,7 +65,7 @@ from pathlib import Path
 
 from minivllm.bench import _stack_phases as stack_phases
 from minivllm.bench._alternate import alternate, figures
-from minivllm.bench._harness import busy_core, describe_machine, machine
+from minivllm.bench._harness import busy_core, decode_after_prefill, describe_machine, machine
 from minivllm.profiler import Profiler
 
 #: The op-table categories that are model kernels (the sampler is host work here).
@@ -151,20 +151,10 @@ def kernel_seconds_per_decode_step(llm, prompts: list[list[int]], max_tokens: in
     The profiler starts after the prefill step, so only decode steps count.
     """
     import minivllm
-    from minivllm import SamplingParams
 
-    engine = llm.llm_engine
-    engine.scheduler.reset_prefix_cache()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    for p in prompts:
-        engine.add_request(None, p, params)
-    engine.step()  # the prefill
-    n = 0
     trace = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"minivllm_latency_{os.getpid()}.json")
-    with _LeafProfiler(trace, print_summary=False, trace_steps=(0, 1), record_ops=True) as prof:
-        while engine.has_unfinished_requests():
-            engine.step()
-            n += 1
+    prof = _LeafProfiler(trace, print_summary=False, trace_steps=(0, 1), record_ops=True)
+    n = decode_after_prefill(llm, prompts, max_tokens, prof)
     os.remove(trace)
     per = {op: prof.op_times[op] / max(n, 1) for op in KERNEL_OPS}
     per["step_profiled"] = sum(prof.stage_times[s] for s in minivllm.profiler.STAGES) / max(n, 1)

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -37,8 +38,8 @@ constexpr const char* PHASE_NAMES[NUM_PHASES] = {
     "gate_up", "silu_and_mul", "down", "final norm", "lm head"};
 
 struct Totals {
-  std::mutex mutex;
-  bool on = false;
+  std::atomic<bool> on{false};  // read without the lock: every decode step asks it
+  std::mutex mutex;             // the sums below
   int64_t calls = 0;
   std::array<double, NUM_PHASES> seconds{};
 };
@@ -51,10 +52,7 @@ inline Totals& totals() {
 // One call's clock: tick(p) ends phase p. Does nothing unless timing was on at its start.
 class Clock {
  public:
-  Clock() {
-    Totals& t = totals();
-    std::lock_guard<std::mutex> lock(t.mutex);
-    on_ = t.on;
+  Clock() : on_(totals().on.load(std::memory_order_relaxed)) {
     if (on_) last_ = now();
   }
   void tick(Phase p) {
@@ -90,7 +88,7 @@ inline std::vector<double> decode_layers_timing(bool enable) {
   std::lock_guard<std::mutex> lock(t.mutex);
   std::vector<double> out{static_cast<double>(t.calls)};
   out.insert(out.end(), t.seconds.begin(), t.seconds.end());
-  t.on = enable;
+  t.on.store(enable, std::memory_order_relaxed);
   t.calls = 0;
   t.seconds.fill(0.0);
   return out;
